@@ -1,0 +1,69 @@
+"""tensorwire: direct device-to-device tensor transport.
+
+Facade only; heavy modules (torch, grpc, the agent) load on first use of an attribute.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tensorwire import errors
+from tensorwire.errors import (
+    NoTransportError,
+    ObjectFreedError,
+    OwnerDiedError,
+    PeerLostError,
+    PermissionDeniedError,
+    TensorwireError,
+    TransferAbortedError,
+    TransferTimeoutError,
+    TransportError,
+    TransportUnavailableError,
+)
+
+if TYPE_CHECKING:
+    from tensorwire.runtime.api import free, get, put, stats
+    from tensorwire.runtime.ref import Ref
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NoTransportError",
+    "ObjectFreedError",
+    "OwnerDiedError",
+    "PeerLostError",
+    "PermissionDeniedError",
+    "Ref",
+    "TensorwireError",
+    "TransferAbortedError",
+    "TransferTimeoutError",
+    "TransportError",
+    "TransportUnavailableError",
+    "errors",
+    "free",
+    "get",
+    "put",
+    "stats",
+]
+
+_LAZY = {
+    "put": "tensorwire.runtime.api",
+    "get": "tensorwire.runtime.api",
+    "free": "tensorwire.runtime.api",
+    "stats": "tensorwire.runtime.api",
+    "Ref": "tensorwire.runtime.ref",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tensorwire' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

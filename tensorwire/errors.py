@@ -1,0 +1,61 @@
+"""The one error hierarchy of tensorwire.
+
+Every error a user can trigger derives from :class:`TensorwireError` (or is a plain
+``TypeError``/``ValueError`` for bad input). Messages say what failed, the values seen and
+how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NoTransportError",
+    "ObjectFreedError",
+    "OwnerDiedError",
+    "PeerLostError",
+    "PermissionDeniedError",
+    "TensorwireError",
+    "TransferAbortedError",
+    "TransferTimeoutError",
+    "TransportError",
+    "TransportUnavailableError",
+]
+
+
+class TensorwireError(Exception):
+    """Base class of every tensorwire error."""
+
+
+class TransportError(TensorwireError):
+    """A transfer could not be carried out."""
+
+
+class NoTransportError(TransportError):
+    """No transport can serve this transfer (or a forced one cannot)."""
+
+
+class TransportUnavailableError(TransportError):
+    """A transport is not usable in this process (missing library, device or resource)."""
+
+
+class TransferTimeoutError(TransportError):
+    """A transfer or control call did not finish within its deadline."""
+
+
+class TransferAbortedError(TransportError):
+    """A transfer was aborted by either side."""
+
+
+class PeerLostError(TransportError):
+    """The peer process stopped answering (it may have died or the network failed)."""
+
+
+class ObjectFreedError(TensorwireError):
+    """The object was freed (explicitly or because no holder remained)."""
+
+
+class OwnerDiedError(TensorwireError):
+    """The process that owned the object has exited; its tensors are gone."""
+
+
+class PermissionDeniedError(TensorwireError):
+    """A request presented a wrong capability token or cluster token."""

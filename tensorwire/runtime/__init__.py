@@ -1,0 +1,1 @@
+"""References and the actor runtime (the only layer that may import Ray)."""

@@ -1,0 +1,213 @@
+"""The value walker: split a nested value into a skeleton and its tensors, and join them again.
+
+Walked containers: ``dict`` (and subclasses such as ``OrderedDict``, keeping their attributes,
+e.g. a state dict's ``_metadata``), ``list``, ``tuple``, named tuples and dataclass instances.
+Leaves that are torch tensors or numpy arrays become slots; every other leaf stays in the
+skeleton as an ordinary Python value (pickled with the reference). A tensor that appears
+twice (tied weights) becomes one slot and arrives as one tensor twice.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import pickle
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import torch
+
+__all__ = ["Slot", "dumps_skeleton", "flatten", "match_out", "unflatten"]
+
+
+class Slot:
+    """Placeholder for the ``index``-th tensor of a value."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple[type[Slot], tuple[int]]:
+        return (Slot, (self.index,))
+
+    def __repr__(self) -> str:
+        return f"Slot({self.index})"
+
+
+def _is_namedtuple(value: object) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _map_container(value: Any, fn: Callable[[Any, str], Any], path: str) -> Any:
+    """``value`` with ``fn(child, child_path)`` applied to each child, or ``value`` itself if a leaf."""
+    if isinstance(value, dict):
+        new = copy.copy(value)
+        for key in value:
+            new[key] = fn(value[key], f"{path}[{key!r}]")
+        return new
+    if isinstance(value, list):
+        new_list = copy.copy(value)
+        new_list[:] = [fn(item, f"{path}[{i}]") for i, item in enumerate(value)]
+        return new_list
+    if _is_namedtuple(value):
+        return type(value)._make(fn(getattr(value, f), f"{path}.{f}") for f in value._fields)
+    if isinstance(value, tuple):
+        items = tuple(fn(item, f"{path}[{i}]") for i, item in enumerate(value))
+        return items if type(value) is tuple else type(value)(items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        new_obj = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(new_obj, f.name, fn(getattr(value, f.name), f"{path}.{f.name}"))
+        return new_obj
+    return value
+
+
+def _as_tensor(value: Any, path: str) -> torch.Tensor:
+    """A contiguous, detached torch tensor sharing memory with ``value`` where possible."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject or value.dtype.kind in "USVMm":
+            raise TypeError(
+                f"value{path}: numpy arrays of dtype {value.dtype} cannot be sent as tensors; "
+                "convert to a numeric dtype or wrap the data in a plain Python object"
+            )
+        if not value.dtype.isnative:
+            value = value.astype(value.dtype.newbyteorder("="))
+        value = np.ascontiguousarray(value)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only arrays: we never write to them
+                return torch.from_numpy(value)
+        except TypeError as e:
+            raise TypeError(f"value{path}: numpy dtype {value.dtype} is not supported by torch ({e})") from e
+    tensor: torch.Tensor = value
+    if tensor.layout != torch.strided:
+        raise TypeError(f"value{path}: {tensor.layout} tensors are not supported; convert with .to_dense()")
+    if tensor.is_quantized:
+        raise TypeError(f"value{path}: quantized tensors are not supported; call .dequantize() or send int_repr()")
+    if tensor.is_nested:
+        raise TypeError(f"value{path}: nested tensors are not supported; unbind them into a list")
+    if tensor.device.type == "meta":
+        raise TypeError(f"value{path}: tensors on the meta device hold no data")
+    tensor = tensor.detach()
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    if type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter):
+        tensor = tensor.data
+    return tensor.contiguous()
+
+
+def flatten(value: Any) -> tuple[Any, list[torch.Tensor], list[bool]]:
+    """Split ``value`` into ``(skeleton, tensors, is_numpy)``.
+
+    Non-contiguous tensors are made contiguous (a copy); tensors are detached from autograd.
+
+    Raises:
+        TypeError: A tensor of an unsupported kind (sparse, quantized, nested, meta, object
+            arrays), with the path to it.
+        ValueError: The value contains a reference cycle.
+    """
+    tensors: list[torch.Tensor] = []
+    is_numpy: list[bool] = []
+    slots_by_id: dict[int, Slot] = {}
+    keep_alive: list[Any] = []  # ids stay unique while the originals live
+    on_path: set[int] = set()
+
+    def visit(item: Any, path: str) -> Any:
+        if isinstance(item, (torch.Tensor, np.ndarray)):
+            slot = slots_by_id.get(id(item))
+            if slot is None:
+                slot = Slot(len(tensors))
+                tensors.append(_as_tensor(item, path))
+                is_numpy.append(isinstance(item, np.ndarray))
+                slots_by_id[id(item)] = slot
+                keep_alive.append(item)
+            return slot
+        if id(item) in on_path:
+            raise ValueError(f"value{path} refers back to a container that holds it (a reference cycle)")
+        on_path.add(id(item))
+        try:
+            return _map_container(item, visit, path)
+        finally:
+            on_path.discard(id(item))
+
+    skeleton = visit(value, "")
+    return skeleton, tensors, is_numpy
+
+
+def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
+    """``skeleton`` with every :class:`Slot` replaced by its leaf."""
+
+    def visit(item: Any, path: str) -> Any:
+        if isinstance(item, Slot):
+            return leaves[item.index]
+        return _map_container(item, visit, path)
+
+    return visit(skeleton, "")
+
+
+def match_out(skeleton: Any, out: Any) -> dict[int, Any]:
+    """The user's ``out=`` buffers by slot index, matched by position in the structure.
+
+    Raises:
+        ValueError: ``out`` does not have the value's structure (the message names the path).
+    """
+    found: dict[int, Any] = {}
+
+    def visit(item: Any, target: Any, path: str) -> None:
+        if isinstance(item, Slot):
+            if not isinstance(target, (torch.Tensor, np.ndarray)):
+                raise ValueError(f"out{path}: expected a tensor to receive into, got {type(target).__name__}")
+            found.setdefault(item.index, target)
+            return
+        if isinstance(item, dict):
+            if not isinstance(target, dict):
+                raise ValueError(f"out{path}: expected a dict, got {type(target).__name__}")
+            for key, child in item.items():
+                if key not in target:
+                    raise ValueError(f"out{path}: missing key {key!r}")
+                visit(child, target[key], f"{path}[{key!r}]")
+        elif isinstance(item, (list, tuple)):
+            if not isinstance(target, (list, tuple)) or len(target) != len(item):
+                raise ValueError(f"out{path}: expected a sequence of length {len(item)}, got {type(target).__name__}")
+            for i, (child, sub) in enumerate(zip(item, target, strict=True)):
+                visit(child, sub, f"{path}[{i}]")
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            for f in dataclasses.fields(item):
+                visit(getattr(item, f.name), getattr(target, f.name, None), f"{path}.{f.name}")
+
+    visit(skeleton, out, "")
+    return found
+
+
+class _HiddenTensorError(TypeError):
+    pass
+
+
+class _SkeletonPickler(cloudpickle.CloudPickler):
+    """Pickles a skeleton; refuses tensors hidden in containers the walker does not open."""
+
+    def persistent_id(self, obj: Any) -> None:
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            raise _HiddenTensorError(
+                f"a {type(obj).__name__} sits inside an object tensorwire does not walk (only dict, list, tuple, "
+                "named tuples and dataclasses are); move it into one of those so it travels by reference"
+            )
+
+
+def dumps_skeleton(skeleton: Any) -> bytes:
+    """Pickle ``skeleton`` (cloudpickle) or raise ``TypeError`` naming what cannot travel."""
+    buffer = io.BytesIO()
+    try:
+        _SkeletonPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(skeleton)
+    except _HiddenTensorError:
+        raise
+    except Exception as e:
+        raise TypeError(f"the value's non-tensor parts cannot be pickled: {type(e).__name__}: {e}") from e
+    return buffer.getvalue()

@@ -1,0 +1,889 @@
+"""The per-process agent: object store, holder bookkeeping, control service, fetch dispatch.
+
+One agent per process, started lazily by :func:`get_agent`. It owns the objects registered
+in this process (tensors kept alive while any holder remains), keeps the holds this process
+has on other agents' objects, serves the control service on background threads, and runs
+fetches through the transport the selector picks.
+
+Holder protocol (DESIGN.md section 5):
+
+* A process *holds* an object while it has at least one live reference to it. Holders tell
+  the owner with batched, asynchronous ``REGISTER``/``RELEASE`` operations sent in order by
+  one background thread, so a one-sided fetch never waits on a control call.
+* A reference that leaves a process (pickled) creates a *transit pin* at the owner; the pin
+  is consumed when the receiving process registers (or, if nobody ever deserializes it, it
+  expires after ``Config.transit_ttl_s``).
+* The owner frees an object when it has no local reference, no remote holder and no pin, or
+  on ``free()``. Holders on this machine that exit are detected by pid; holders elsewhere
+  that stop answering lose their holds after ``Config.holder_lost_after_s``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import hmac
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import grpc
+import torch
+
+from tensorwire.errors import (
+    NoTransportError,
+    ObjectFreedError,
+    OwnerDiedError,
+    PeerLostError,
+    PermissionDeniedError,
+    TensorwireError,
+    TransferTimeoutError,
+)
+from tensorwire.transport import registry, selector, topology
+from tensorwire.transport.base import (
+    Capabilities,
+    FetchRequest,
+    MemoryKind,
+    ObjectDescriptor,
+    PeerInfo,
+    StoredObject,
+    TensorMeta,
+    Transport,
+    TransportContext,
+)
+from tensorwire.transport.config import Config
+from tensorwire.transport.control import (
+    ControlClient,
+    ControlServer,
+    RequestError,
+    cluster_token,
+    map_rpc_error,
+    socket_dir,
+)
+from tensorwire.transport.wire import HolderOpKind, ObjectState, decode_peer, encode_peer, messages
+
+__all__ = ["Agent", "TransferRecord", "get_agent", "shutdown_agent"]
+
+logger = logging.getLogger(__name__)
+
+_TOMBSTONES = 65536  # freed object ids remembered, to tell "freed" from "never existed"
+
+
+@dataclass
+class _Entry:
+    """Owner-side bookkeeping of one stored object."""
+
+    stored: StoredObject
+    local_refs: int = 0
+    holders: set[str] = field(default_factory=set)
+    pins: dict[bytes, float] = field(default_factory=dict)  # pin id -> expiry (monotonic)
+    handles: dict[str, bytes] | None = None
+    export_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _Held:
+    """Holder-side bookkeeping of another agent's object referenced in this process."""
+
+    owner: PeerInfo
+    token: bytes
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One completed fetch, as :func:`tensorwire.stats` reports it."""
+
+    transport: str
+    reason: str
+    nbytes: int
+    duration_s: float
+    src: str
+    dst: str
+    zero_copy: bool
+
+
+class Agent(TransportContext):
+    """The per-process agent. Use :func:`get_agent`; do not construct directly in user code."""
+
+    def __init__(self, config: Config | None = None) -> None:
+        self._config = config or Config.from_env()
+        self._lock = threading.RLock()
+        self._objects: dict[bytes, _Entry] = {}
+        self._tombstones: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self._early_unpins: dict[bytes, float] = {}
+        self._holder_peers: dict[str, PeerInfo] = {}
+        self._holder_seen: dict[str, float] = {}
+        self._held: dict[bytes, _Held] = {}
+        self._transports: dict[str, Transport] = {}
+        self._unusable: dict[str, str] = {}
+        self._warned: set[str] = set()
+        self._records: collections.deque[TransferRecord] = collections.deque(maxlen=1000)
+        self._counters: dict[str, list[int]] = {}
+        self._outbox: queue.Queue[tuple[PeerInfo, Any] | None] = queue.Queue()
+        self._outbox_pending = 0
+        self._outbox_idle = threading.Condition()
+        self._closed = threading.Event()
+        self.pid = os.getpid()
+
+        token = cluster_token()
+        agent_id = secrets.token_hex(8)
+        self._client = ControlClient(token=token)
+        self._server = ControlServer(
+            self,
+            token=token,
+            unix_path=os.path.join(socket_dir(), f"{agent_id}.sock"),
+            tcp_host=self._config.host,
+        )
+        self._server.start()
+        self._peer = PeerInfo(
+            agent_id=agent_id,
+            node_id=topology.node_id(),
+            machine_id=topology.machine_id(),
+            hostname=socket.gethostname(),
+            pid=self.pid,
+            start_time=topology.process_start_time(self.pid),
+            unix_address=self._server.unix_address,
+            tcp_address=self._server.tcp_address,
+            devices=topology.visible_devices(),
+        )
+        self._refresh_transports()
+        self._threads = [
+            threading.Thread(target=self._send_loop, name="tensorwire-holders", daemon=True),
+            threading.Thread(target=self._reap_loop, name="tensorwire-reaper", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        logger.debug("agent %s started: %s %s", agent_id, self._server.unix_address, self._server.tcp_address)
+
+    # ------------------------------------------------------------------ identity, transports
+
+    @property
+    def peer(self) -> PeerInfo:
+        return self._peer
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    def set_config(self, config: Config) -> None:
+        """Replace the settings (tests; takes effect for new exports and fetches)."""
+        self._config = config
+
+    def _refresh_transports(self) -> None:
+        """Instantiate newly registered transports and publish the usable ones in ``peer``."""
+        for name in registry.registered_transports():
+            if name in self._transports or name in self._unusable:
+                continue
+            try:
+                transport = registry.get_transport_class(name)(self)
+                reason = transport.unavailable_reason()
+            except Exception as e:  # noqa: BLE001 - a broken plug-in must not break the agent
+                reason = f"failed to load: {type(e).__name__}: {e}"
+            if reason is None:
+                self._transports[name] = transport
+            else:
+                self._unusable[name] = reason
+                logger.debug("transport %s not usable here: %s", name, reason)
+        for name in list(self._transports):
+            if name not in registry.registered_transports():
+                self._transports.pop(name).close()
+        self._peer = replace(self._peer, transports=tuple(self._transports))
+
+    def transport(self, name: str) -> Transport:
+        """The usable transport instance ``name`` (raises ``TransportUnavailableError``-like errors)."""
+        if name not in self._transports:
+            self._refresh_transports()
+        if name in self._transports:
+            return self._transports[name]
+        if name in self._unusable:
+            raise NoTransportError(f"transport {name!r} is not usable in this process: {self._unusable[name]}")
+        registry.get_transport_class(name)  # raises "unknown transport ... did you mean"
+        raise NoTransportError(f"transport {name!r} is not usable in this process")
+
+    def unusable_transports(self) -> dict[str, str]:
+        """Registered transports that cannot run here, with the reason."""
+        return dict(self._unusable)
+
+    # ------------------------------------------------------------------ producer side
+
+    def register(
+        self, tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], packed_nbytes: int
+    ) -> ObjectDescriptor:
+        """Producer: keep ``tensors`` under a new object id; the caller attaches a reference next."""
+        if set(registry.registered_transports()) != set(self._transports) | set(self._unusable):
+            self._refresh_transports()
+        object_id = secrets.token_bytes(16)
+        token = secrets.token_bytes(16)
+        stored = StoredObject(object_id, token, tensors, metas, packed_nbytes)
+        with self._lock:
+            self._objects[object_id] = _Entry(stored)
+        return ObjectDescriptor(object_id, token, self._peer, metas, packed_nbytes)
+
+    def export_handles(self, desc: ObjectDescriptor) -> dict[str, bytes]:
+        """Producer, when a reference leaves the process: handles of one-sided transports.
+
+        Inline is tried first; when it carries the bytes no other export is made. Exports
+        are made once per object and cached. A failed export is logged and skipped: the
+        consumer then falls back to a two-sided transport.
+        """
+        with self._lock:
+            entry = self._objects.get(desc.object_id)
+        if entry is None:
+            return {}
+        with entry.export_lock:
+            if entry.handles is not None:
+                return dict(entry.handles)
+            handles: dict[str, bytes] = {}
+            memory = {m.memory for m in entry.stored.metas}
+            exporters = [n for n, t in self._transports.items() if t.capabilities.needs_export]
+            exporters.sort(key=lambda n: n != "inline")
+            for name in exporters:
+                transport = self._transports[name]
+                if not memory <= transport.capabilities.memory:
+                    continue
+                try:
+                    handle = transport.export(entry.stored)
+                except Exception as e:  # noqa: BLE001 - fall back to another transport
+                    self._warn_once(
+                        f"export:{name}",
+                        "transport %s could not export an object (%s); consumers will use another transport",
+                        name,
+                        e,
+                    )
+                    continue
+                if handle is not None:
+                    handles[name] = handle
+                    if name == "inline":
+                        break
+            entry.handles = handles
+            return dict(handles)
+
+    def _export_on_request(self, entry: _Entry, name: str) -> bytes:
+        """Producer: export ``entry`` for transport ``name`` now (a consumer forced it)."""
+        transport = self._transports.get(name)
+        if transport is None or not transport.capabilities.needs_export:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"transport {name!r} cannot export here")
+        with entry.export_lock:
+            if entry.handles is not None and name in entry.handles:
+                return entry.handles[name]
+            try:
+                handle = transport.export(entry.stored)
+            except TensorwireError as e:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"{name} export failed: {e}") from None
+            if handle is None:
+                limit = f"; inline takes at most {self._config.inline_max_nbytes} (TENSORWIRE_INLINE_NBYTES)"
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{name} declined to export this object of {entry.stored.nbytes} bytes"
+                    f"{limit if name == 'inline' else ''}",
+                )
+            entry.handles = {**(entry.handles or {}), name: handle}
+            return handle
+
+    def free(self, desc: ObjectDescriptor, *, timeout_s: float | None = None) -> None:
+        """Free the object now, wherever its owner is. Idempotent; a dead owner is a no-op."""
+        if desc.owner.agent_id == self._peer.agent_id:
+            with self._lock:
+                entry = self._objects.get(desc.object_id)
+                if entry is None:
+                    return
+                self._check_token(entry.stored.token, desc.token)
+            self._free(entry)
+            return
+        request = messages["ObjectRequest"](object_id=desc.object_id, token=desc.token)
+        try:
+            self._client.call(
+                self._address(desc.owner),
+                "Free",
+                request,
+                "StatusReply",
+                timeout_s=timeout_s or self.config.rpc_timeout_s,
+            )
+        except grpc.RpcError as e:
+            error = map_rpc_error(e, f"free of object {desc.object_id.hex()}")
+            if isinstance(error, (PeerLostError, ObjectFreedError)):
+                logger.debug("free: %s", error)
+                return
+            raise error from None
+
+    def _free(self, entry: _Entry) -> None:
+        stored = entry.stored
+        with self._lock:
+            if self._objects.pop(stored.object_id, None) is None:
+                return
+            self._tombstones[stored.object_id] = stored.token
+            while len(self._tombstones) > _TOMBSTONES:
+                self._tombstones.popitem(last=False)
+        for transport in list(self._transports.values()):
+            try:
+                transport.release(stored)
+            except Exception:
+                logger.warning("transport %s failed to release an object", transport.name, exc_info=True)
+        stored.tensors = []
+
+    def _maybe_free(self, entry: _Entry) -> None:
+        if entry.local_refs <= 0 and not entry.holders and not entry.pins:
+            self._free(entry)
+
+    def owned_objects(self) -> int:
+        """How many objects this process owns right now."""
+        with self._lock:
+            return len(self._objects)
+
+    def owned_nbytes(self) -> int:
+        with self._lock:
+            return sum(e.stored.nbytes for e in self._objects.values())
+
+    # ------------------------------------------------------------------ references (both sides)
+
+    def ref_detached(self, desc: ObjectDescriptor) -> None:
+        """A local reference object was garbage-collected (finalizer; never raises)."""
+        if self._closed.is_set():
+            return
+        if desc.owner.agent_id == self._peer.agent_id:
+            with self._lock:
+                entry = self._objects.get(desc.object_id)
+                if entry is None:
+                    return
+                entry.local_refs -= 1
+                free = entry.local_refs <= 0 and not entry.holders and not entry.pins
+            if free:
+                self._free(entry)
+            return
+        with self._lock:
+            held = self._held.get(desc.object_id)
+            if held is None:
+                return
+            held.count -= 1
+            if held.count > 0:
+                return
+            del self._held[desc.object_id]
+        self._send(held.owner, HolderOpKind.RELEASE, desc.object_id, desc.token)
+
+    def ref_pickled(self, desc: ObjectDescriptor) -> bytes:
+        """A reference is leaving this process: pin its object until the receiver registers."""
+        pin_id = secrets.token_bytes(12)
+        if desc.owner.agent_id == self._peer.agent_id:
+            with self._lock:
+                entry = self._objects.get(desc.object_id)
+                if entry is not None:
+                    entry.pins[pin_id] = time.monotonic() + self.config.transit_ttl_s
+        else:
+            self._send(desc.owner, HolderOpKind.PIN, desc.object_id, desc.token, pin_id)
+        return pin_id
+
+    def ref_attached(self, desc: ObjectDescriptor, pin_id: bytes = b"") -> None:
+        """A reference object was created in this process (by ``put``, or by unpickling with
+        the ``pin_id`` it travelled under): count it, register as holder, consume the pin."""
+        if desc.owner.agent_id == self._peer.agent_id:
+            with self._lock:
+                entry = self._objects.get(desc.object_id)
+                if entry is None:
+                    return
+                entry.local_refs += 1
+                if pin_id and entry.pins.pop(pin_id, None) is None:
+                    self._early_unpins[pin_id] = time.monotonic() + self.config.transit_ttl_s
+            return
+        with self._lock:
+            held = self._held.get(desc.object_id)
+            first = held is None
+            if first:
+                held = self._held[desc.object_id] = _Held(desc.owner, desc.token)
+            held.count += 1
+        kind = HolderOpKind.REGISTER if first else HolderOpKind.UNPIN
+        if first or pin_id:
+            self._send(desc.owner, kind, desc.object_id, desc.token, pin_id)
+
+    # ------------------------------------------------------------------ holder messages
+
+    def _send(self, owner: PeerInfo, kind: HolderOpKind, object_id: bytes, token: bytes, pin_id: bytes = b"") -> None:
+        op = messages["HolderOp"](kind=int(kind), object_id=object_id, token=token, pin_id=pin_id)
+        with self._outbox_idle:
+            self._outbox_pending += 1
+        self._outbox.put((owner, op))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued holder message was sent; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._outbox_idle:
+            while self._outbox_pending > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._outbox_idle.wait(left)
+        return True
+
+    def _send_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                item = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if item is None:
+                break
+            batch = [item]
+            time.sleep(0.001)  # let a burst of references collect into one message
+            while True:
+                try:
+                    more = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._closed.set()
+                    break
+                batch.append(more)
+            by_owner: dict[str, tuple[PeerInfo, list[Any]]] = {}
+            for owner, op in batch:
+                by_owner.setdefault(owner.agent_id, (owner, []))[1].append(op)
+            self._deliver(list(by_owner.values()))
+            with self._outbox_idle:
+                self._outbox_pending -= len(batch)
+                self._outbox_idle.notify_all()
+
+    def _deliver(self, batches: list[tuple[PeerInfo, list[Any]]]) -> None:
+        """Send each owner its operations, all owners at once; retry owners that may be alive.
+
+        An owner that has exited needs no message (its objects are gone); one that stays
+        unreachable is given up after three tries, and its holds expire by the owner's own
+        holder check.
+        """
+        sender = encode_peer(self._peer)
+        for attempt in range(3):
+            calls = [
+                (
+                    owner,
+                    ops,
+                    self._client.call_async(
+                        self._address(owner),
+                        "Holders",
+                        messages["HolderBatch"](sender=sender, ops=ops),
+                        "HolderReply",
+                        timeout_s=min(self._config.rpc_timeout_s, 2.0 * (attempt + 1)),
+                    ),
+                )
+                for owner, ops in batches
+            ]
+            retry = []
+            for owner, ops, call in calls:
+                try:
+                    call.result()
+                except grpc.RpcError as e:
+                    if self._owner_may_be_alive(owner) and e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                        retry.append((owner, ops))
+                    else:
+                        logger.debug("dropping %d holder messages for %s: %s", len(ops), owner.agent_id, e.code())
+            if not retry:
+                return
+            batches = retry
+            time.sleep(0.05 * (attempt + 1))
+        for owner, ops in batches:
+            logger.warning("could not deliver %d holder messages to agent %s", len(ops), owner.agent_id)
+
+    def handle_holders(self, request: Any) -> Any:
+        sender = decode_peer(request.sender)
+        now = time.monotonic()
+        applied = rejected = 0
+        to_free: list[_Entry] = []
+        with self._lock:
+            self._holder_peers[sender.agent_id] = sender
+            self._holder_seen[sender.agent_id] = now
+            for op in request.ops:
+                entry = self._objects.get(op.object_id)
+                valid_kind = op.kind in HolderOpKind._value2member_map_
+                if entry is None or not valid_kind or not hmac.compare_digest(entry.stored.token, op.token):
+                    rejected += 1
+                    continue
+                applied += 1
+                self._apply_holder_op(entry, HolderOpKind(op.kind), sender.agent_id, op.pin_id, now)
+                to_free.append(entry)
+        for entry in to_free:
+            with self._lock:
+                free = (
+                    entry.stored.object_id in self._objects
+                    and entry.local_refs <= 0
+                    and not entry.holders
+                    and not entry.pins
+                )
+            if free:
+                self._free(entry)
+        return messages["HolderReply"](applied=applied, rejected=rejected)
+
+    def _apply_holder_op(self, entry: _Entry, kind: HolderOpKind, holder: str, pin_id: bytes, now: float) -> None:
+        """Owner, under the lock: apply one holder operation to ``entry``."""
+        expiry = now + self._config.transit_ttl_s
+        if kind is HolderOpKind.REGISTER:
+            entry.holders.add(holder)
+        elif kind is HolderOpKind.RELEASE:
+            entry.holders.discard(holder)
+        elif kind is HolderOpKind.PIN and self._early_unpins.pop(pin_id, None) is None:
+            entry.pins[pin_id] = expiry
+        if kind in (HolderOpKind.REGISTER, HolderOpKind.UNPIN) and pin_id and entry.pins.pop(pin_id, None) is None:
+            self._early_unpins[pin_id] = expiry  # the pin's PIN message is still on its way
+
+    def _reap_loop(self) -> None:
+        while not self._closed.wait(self.config.holder_check_interval_s):
+            try:
+                self._reap()
+            except Exception:
+                logger.warning("holder check failed", exc_info=True)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            peers = dict(self._holder_peers)
+        dead = {agent_id for agent_id, peer in peers.items() if not self._holder_alive(peer, now)}
+        to_free = []
+        with self._lock:
+            for agent_id in dead:
+                self._holder_peers.pop(agent_id, None)
+                self._holder_seen.pop(agent_id, None)
+            for entry in self._objects.values():
+                expired = [p for p, expiry in entry.pins.items() if expiry <= now]
+                for pin_id in expired:
+                    del entry.pins[pin_id]
+                if expired:
+                    logger.info(
+                        "object %s: %d reference(s) in transit were never received; unpinned",
+                        entry.stored.object_id.hex(),
+                        len(expired),
+                    )
+                if dead & entry.holders:
+                    entry.holders -= dead
+                if (expired or dead) and entry.local_refs <= 0 and not entry.holders and not entry.pins:
+                    to_free.append(entry)
+            for pin_id in [p for p, expiry in self._early_unpins.items() if expiry <= now]:
+                del self._early_unpins[pin_id]
+        for entry in to_free:
+            self._free(entry)
+        if dead:
+            logger.info("released the holds of %d exited process(es)", len(dead))
+
+    def _holder_alive(self, peer: PeerInfo, now: float) -> bool:
+        if peer.same_machine(self._peer):
+            return topology.process_alive(peer.pid, peer.start_time)
+        try:
+            self._client.call(self._address(peer), "Ping", messages["PingRequest"](), "PingReply", timeout_s=1.0)
+            with self._lock:
+                self._holder_seen[peer.agent_id] = now
+            return True
+        except grpc.RpcError:
+            return now - self._holder_seen.get(peer.agent_id, now) < self.config.holder_lost_after_s
+
+    # ------------------------------------------------------------------ control service handlers
+
+    def handle_ping(self, request: Any) -> Any:
+        return messages["PingReply"](peer=encode_peer(self._peer))
+
+    def _lookup(self, object_id: bytes, token: bytes) -> _Entry:
+        """The live entry for ``object_id`` if ``token`` matches, else a mapped error."""
+        with self._lock:
+            entry = self._objects.get(object_id)
+            if entry is not None:
+                self._check_token(entry.stored.token, token)
+                return entry
+            freed_token = self._tombstones.get(object_id)
+        if freed_token is not None:
+            self._check_token(freed_token, token)
+            raise ObjectFreedError(f"object {object_id.hex()} was freed by its owner (agent {self._peer.agent_id})")
+        raise ObjectFreedError(
+            f"object {object_id.hex()} is unknown to its owner (agent {self._peer.agent_id}): "
+            "freed long ago, or the reference was forged"
+        )
+
+    @staticmethod
+    def _check_token(expected: bytes, given: bytes) -> None:
+        if not hmac.compare_digest(expected, given):
+            raise PermissionDeniedError("wrong capability token for this object")
+
+    def handle_status(self, request: Any) -> Any:
+        try:
+            self._lookup(request.object_id, request.token)
+            state = ObjectState.LIVE
+        except ObjectFreedError:
+            state = ObjectState.FREED
+        except PermissionDeniedError as e:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+        return messages["StatusReply"](state=int(state))
+
+    def handle_free(self, request: Any) -> Any:
+        try:
+            entry = self._lookup(request.object_id, request.token)
+        except ObjectFreedError:
+            return messages["StatusReply"](state=int(ObjectState.FREED))
+        except PermissionDeniedError as e:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+        self._free(entry)
+        return messages["StatusReply"](state=int(ObjectState.FREED))
+
+    def handle_export(self, request: Any) -> Any:
+        try:
+            entry = self._lookup(request.object_id, request.token)
+        except ObjectFreedError as e:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, str(e)) from None
+        except PermissionDeniedError as e:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+        return messages["ExportReply"](handle=self._export_on_request(entry, request.transport))
+
+    def request_export(self, request: FetchRequest, transport: str) -> bytes:
+        """Consumer: ask the owner to export the object for ``transport`` (forced, no handle)."""
+        message = messages["TransferRequest"](object_id=request.object_id, token=request.token, transport=transport)
+        try:
+            reply = self._client.call(
+                self._address(request.owner),
+                "Export",
+                message,
+                "ExportReply",
+                timeout_s=max(0.05, min(request.remaining_s(), self._config.rpc_timeout_s)),
+            )
+        except grpc.RpcError as e:
+            raise self._owner_error(request.owner, map_rpc_error(e, f"{transport} export on request")) from None
+        return reply.handle
+
+    def handle_transfer(self, request: Any) -> Iterator[bytes]:
+        try:
+            entry = self._lookup(request.object_id, request.token)
+        except ObjectFreedError as e:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, str(e)) from None
+        except PermissionDeniedError as e:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+        transport = self._transports.get(request.transport)
+        if transport is None or transport.capabilities.one_sided:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"transport {request.transport!r} cannot serve two-sided transfers here",
+            )
+        return transport.serve(entry.stored, request.params)
+
+    def local_object(self, object_id: bytes, token: bytes) -> StoredObject:
+        return self._lookup(object_id, token).stored
+
+    # ------------------------------------------------------------------ consumer side
+
+    def _address(self, peer: PeerInfo) -> str:
+        if peer.same_node(self._peer) and peer.same_machine(self._peer) and peer.unix_address:
+            return peer.unix_address
+        return peer.tcp_address
+
+    def _owner_may_be_alive(self, owner: PeerInfo) -> bool:
+        return not owner.same_machine(self._peer) or topology.process_alive(owner.pid, owner.start_time)
+
+    def _owner_error(self, owner: PeerInfo, error: Exception) -> Exception:
+        """Turn a lost-peer error into ``OwnerDiedError`` when the owner is known to have exited."""
+        if isinstance(error, (PeerLostError, TransferTimeoutError)) and not self._owner_may_be_alive(owner):
+            self._client.drop(self._address(owner))
+            return OwnerDiedError(
+                f"the owner of this object (pid {owner.pid} on {owner.hostname}, agent {owner.agent_id}) has exited; "
+                "its tensors are gone"
+            )
+        return error
+
+    def check_owner(self, request: FetchRequest) -> None:
+        owner = request.owner
+        if not self._owner_may_be_alive(owner):
+            raise self._owner_error(owner, PeerLostError("owner exited"))
+        status_request = messages["ObjectRequest"](object_id=request.object_id, token=request.token)
+        try:
+            reply = self._client.call(
+                self._address(owner),
+                "Status",
+                status_request,
+                "StatusReply",
+                timeout_s=max(0.05, min(request.remaining_s(), self.config.rpc_timeout_s)),
+            )
+        except grpc.RpcError as e:
+            raise self._owner_error(owner, map_rpc_error(e, f"status of object {request.object_id.hex()}")) from None
+        if reply.state != ObjectState.LIVE:
+            raise ObjectFreedError(f"object {request.object_id.hex()} was freed by its owner (agent {owner.agent_id})")
+
+    def open_stream(self, request: FetchRequest, transport: str, params: bytes) -> Iterator[bytes]:
+        message = messages["TransferRequest"](
+            object_id=request.object_id,
+            token=request.token,
+            transport=transport,
+            params=params,
+            sender=encode_peer(self._peer),
+        )
+        what = f"{transport} transfer of object {request.object_id.hex()} from agent {request.owner.agent_id}"
+        stream = self._client.stream(self._address(request.owner), message, timeout_s=max(0.05, request.remaining_s()))
+        try:
+            yield from stream
+        except grpc.RpcError as e:
+            raise self._owner_error(request.owner, map_rpc_error(e, what)) from None
+        finally:
+            stream.cancel()
+
+    def fetch(
+        self,
+        desc: ObjectDescriptor,
+        handles: dict[str, bytes],
+        *,
+        dst: Sequence[torch.Tensor] | None,
+        transport: str = "",
+        view: bool = False,
+        timeout_s: float | None = None,
+    ) -> tuple[list[torch.Tensor], TransferRecord]:
+        """Consumer: the object's tensors as host (or local) tensors, and how they came.
+
+        Args:
+            desc: The object's descriptor.
+            handles: Export handles carried by the reference.
+            dst: Contiguous host tensors to fill (matching ``desc.metas``), or None to
+                allocate. Ignored for zero-copy views.
+            transport: Forced transport name; "" uses ``TENSORWIRE_TRANSPORT`` or the selector.
+            view: Prefer zero-copy views (same process: the producer's tensors; shm: a
+                copy-on-write mapping) over a private copy.
+            timeout_s: Deadline of the whole fetch (default ``Config.timeout_s``).
+        """
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.timeout_s)
+        forced = transport or self.config.transport
+        if forced:
+            registry.get_transport_class(forced)  # unknown names: "did you mean"
+        if forced and forced not in self._transports:
+            self._refresh_transports()
+        summary = selector.ObjectSummary(
+            nbytes=desc.nbytes,
+            memory=frozenset(m.memory for m in desc.metas) or frozenset({MemoryKind.HOST}),
+            exported=frozenset(handles),
+        )
+        capabilities: dict[str, Capabilities] = {}
+        for name in registry.registered_transports():
+            try:
+                capabilities[name] = registry.get_transport_class(name).capabilities
+            except Exception:  # noqa: BLE001 - a broken plug-in is simply not a candidate
+                continue
+        selection = selector.select(
+            desc.owner, self._peer, summary, capabilities, usable_here=frozenset(self._transports), forced=forced
+        )
+        if not selection.choices:
+            hint = " (forced by argument or TENSORWIRE_TRANSPORT)" if forced else ""
+            raise NoTransportError(f"cannot fetch object {desc.object_id.hex()}{hint}: {selection.reason}")
+        request = FetchRequest(desc.object_id, desc.token, desc.owner, desc.metas, desc.packed_nbytes, None, deadline)
+        errors: list[str] = []
+        for choice in selection.choices:
+            name = choice.transport
+            instance = self._transports[name]
+            attempt = replace(request, handle=handles.get(name))
+            start = time.perf_counter()
+            try:
+                if attempt.handle is None and instance.capabilities.needs_export:
+                    attempt = replace(attempt, handle=self.request_export(attempt, name))
+                if view and instance.capabilities.zero_copy_view:
+                    tensors, zero_copy = instance.view(attempt), True
+                else:
+                    tensors = list(dst) if dst is not None else [_empty_host(m) for m in desc.metas]
+                    instance.fetch(attempt, tensors)
+                    zero_copy = False
+            except (ObjectFreedError, OwnerDiedError, PermissionDeniedError, TransferTimeoutError):
+                raise
+            except PeerLostError as e:
+                raise self._owner_error(desc.owner, e) from e
+            except TensorwireError as e:
+                if forced:
+                    raise
+                errors.append(f"{name}: {e}")
+                self._warn_once(f"fallback:{name}", "transport %s failed (%s); falling back to the next one", name, e)
+                continue
+            record = TransferRecord(
+                transport=name,
+                reason=selection.reason if name == selection.best else f"fallback after: {'; '.join(errors)}",
+                nbytes=desc.nbytes,
+                duration_s=time.perf_counter() - start,
+                src=desc.owner.agent_id,
+                dst=self._peer.agent_id,
+                zero_copy=zero_copy,
+            )
+            self._record(record)
+            return tensors, record
+        raise NoTransportError(f"every transport failed for object {desc.object_id.hex()}: {'; '.join(errors)}")
+
+    def _record(self, record: TransferRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+            counts = self._counters.setdefault(record.transport, [0, 0])
+            counts[0] += 1
+            counts[1] += record.nbytes
+
+    def stats(self) -> dict[str, Any]:
+        """Objects owned, holds, and transfers by transport (count, bytes) with recent records."""
+        with self._lock:
+            return {
+                "agent_id": self._peer.agent_id,
+                "node_id": self._peer.node_id,
+                "objects_owned": len(self._objects),
+                "bytes_owned": sum(e.stored.nbytes for e in self._objects.values()),
+                "objects_held": len(self._held),
+                "transports_usable": list(self._transports),
+                "transports_unusable": dict(self._unusable),
+                "transfers": {n: {"count": c, "nbytes": b} for n, (c, b) in self._counters.items()},
+                "recent": list(self._records),
+            }
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        if key in self._warned:
+            logger.debug(message, *args)
+            return
+        self._warned.add(key)
+        warnings.warn(message % args, RuntimeWarning, stacklevel=3)
+        logger.warning(message, *args)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Release every owned object and stop the service. Holder releases are flushed first."""
+        if self._closed.is_set():
+            return
+        self.flush(timeout_s=1.0)
+        self._closed.set()
+        self._outbox.put(None)
+        with self._lock:
+            entries = list(self._objects.values())
+        for entry in entries:
+            self._free(entry)
+        for transport in self._transports.values():
+            try:
+                transport.close()
+            except Exception:
+                logger.warning("transport %s failed to close", transport.name, exc_info=True)
+        self._server.stop(grace_s=0.2)
+        self._client.close()
+
+
+def _empty_host(meta: TensorMeta) -> torch.Tensor:
+    return torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device="cpu")
+
+
+_agent: Agent | None = None
+_agent_lock = threading.Lock()
+
+
+def get_agent() -> Agent:
+    """This process's agent, started on first use (and again in a forked child)."""
+    global _agent
+    agent = _agent
+    if agent is not None and agent.pid == os.getpid():
+        return agent
+    with _agent_lock:
+        if _agent is None or _agent.pid != os.getpid():
+            _agent = Agent()
+        return _agent
+
+
+def shutdown_agent() -> None:
+    """Close this process's agent (it starts again on next use). Owned objects are freed."""
+    global _agent
+    with _agent_lock:
+        agent, _agent = _agent, None
+    if agent is not None and agent.pid == os.getpid():
+        agent.close()
+
+
+atexit.register(shutdown_agent)

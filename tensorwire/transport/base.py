@@ -1,0 +1,300 @@
+"""The transport contract: the :class:`Transport` ABC, its capability flags and metadata.
+
+A transport moves the bytes of one registered object (a list of contiguous tensors) from the
+process that owns it (the *producer*) into buffers of the process that asked for it (the
+*consumer*). Transports are either one-sided (the producer exports a handle when a reference
+leaves its process; the consumer pulls with no work on the producer) or two-sided (the
+consumer asks the producer's agent over the control service and both sides take part).
+
+Which methods a transport must implement follows from its :class:`Capabilities`:
+
+=====================  ==========================================================
+capability             methods
+=====================  ==========================================================
+every transport        ``fetch`` (consumer), ``release`` (producer, may be a no-op)
+``needs_export``       ``export`` (producer)
+``one_sided=False``    ``serve`` (producer, on an agent service thread)
+``zero_copy_view``     ``view`` (consumer)
+=====================  ==========================================================
+
+This module imports neither torch nor Ray at import time.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from tensorwire.errors import TransportUnavailableError
+
+if TYPE_CHECKING:
+    import torch
+
+    from tensorwire.transport.config import Config
+
+__all__ = [
+    "Capabilities",
+    "DeviceInfo",
+    "FetchRequest",
+    "MemoryKind",
+    "ObjectDescriptor",
+    "PeerInfo",
+    "StoredObject",
+    "TensorKind",
+    "TensorMeta",
+    "Transport",
+    "TransportContext",
+]
+
+
+class MemoryKind(enum.Enum):
+    """Where the bytes of a tensor live."""
+
+    HOST = "host"
+    CUDA = "cuda"
+
+
+class TensorKind(enum.Enum):
+    """Which array type the user gave us, so that the consumer gets the same type back."""
+
+    TORCH = "torch"
+    NUMPY = "numpy"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do; the selector decides from these flags alone.
+
+    Attributes:
+        one_sided: The consumer pulls without work on the producer's side.
+        same_process: Usable when producer and consumer are one process.
+        same_node: Usable between processes of one node.
+        cross_node: Usable between nodes.
+        memory: Memory kinds it reads and writes directly (others are staged by the caller).
+        needs_export: The producer must export a handle before a consumer can fetch.
+        zero_copy_view: The consumer can map the producer's bytes without copying.
+        can_abort: A transfer in flight can be aborted and both sides stay usable.
+        staged: Memory of other kinds is staged through host memory (by ``serve`` on the
+            producer, by the agent on the consumer), so any object can be served.
+    """
+
+    one_sided: bool
+    same_process: bool
+    same_node: bool
+    cross_node: bool
+    memory: frozenset[MemoryKind] = frozenset({MemoryKind.HOST})
+    needs_export: bool = False
+    zero_copy_view: bool = False
+    can_abort: bool = False
+    staged: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device a process can see, identified physically (never only by index)."""
+
+    kind: str  # torch device type: "cpu", "cuda", ...
+    index: int
+    uuid: str = ""
+    pci_bus_id: str = ""
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """Everything another process needs to know to reach an agent.
+
+    ``node_id`` decides "same node" for transport selection and can be overridden with
+    ``TENSORWIRE_NODE_ID`` (tests use it to force cross-node paths on one machine);
+    ``machine_id`` (host name + boot id) is never overridden and decides whether process
+    liveness can be checked by pid.
+    """
+
+    agent_id: str
+    node_id: str
+    machine_id: str
+    hostname: str
+    pid: int
+    start_time: int
+    unix_address: str = ""
+    tcp_address: str = ""
+    transports: tuple[str, ...] = ()
+    devices: tuple[DeviceInfo, ...] = ()
+
+    def same_process(self, other: PeerInfo) -> bool:
+        return self.agent_id == other.agent_id
+
+    def same_node(self, other: PeerInfo) -> bool:
+        return self.node_id == other.node_id
+
+    def same_machine(self, other: PeerInfo) -> bool:
+        return self.machine_id == other.machine_id
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and placement of one tensor of an object, and its place in the pack.
+
+    ``offset`` is the byte offset of the tensor in the object's packed layout (tensors laid
+    end to end, each aligned); one-sided transports use one buffer per object.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    device: str  # device as the producer saw it, e.g. "cpu" or "cuda:0"
+    nbytes: int
+    offset: int
+    kind: TensorKind = TensorKind.TORCH
+    device_uuid: str = ""
+
+    @property
+    def memory(self) -> MemoryKind:
+        return MemoryKind.CUDA if self.device.startswith("cuda") else MemoryKind.HOST
+
+
+@dataclass(frozen=True)
+class ObjectDescriptor:
+    """What a reference carries about its object (never the bytes, except inline handles)."""
+
+    object_id: bytes
+    token: bytes  # the capability: whoever presents it may read the object
+    owner: PeerInfo
+    metas: tuple[TensorMeta, ...]
+    packed_nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.metas)
+
+    def __repr__(self) -> str:  # never show the token
+        return f"ObjectDescriptor(id={self.object_id.hex()}, owner={self.owner.agent_id}, tensors={len(self.metas)})"
+
+
+@dataclass
+class StoredObject:
+    """Producer side: one registered object as its owner's agent keeps it.
+
+    Transports may keep per-object state in ``transport_state`` (keyed by transport name);
+    they must free it in ``release``.
+    """
+
+    object_id: bytes
+    token: bytes
+    tensors: list[torch.Tensor]
+    metas: tuple[TensorMeta, ...]
+    packed_nbytes: int
+    transport_state: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.metas)
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    """Consumer side: what one fetch needs to know about the object it pulls."""
+
+    object_id: bytes
+    token: bytes
+    owner: PeerInfo
+    metas: tuple[TensorMeta, ...]
+    packed_nbytes: int
+    handle: bytes | None
+    deadline: float  # time.monotonic() value
+
+    def __repr__(self) -> str:  # never show the token
+        return f"FetchRequest(id={self.object_id.hex()}, owner={self.owner.agent_id}, tensors={len(self.metas)})"
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
+class TransportContext(ABC):
+    """What the per-process agent offers to the transports it creates."""
+
+    @property
+    @abstractmethod
+    def peer(self) -> PeerInfo:
+        """This process's own peer description."""
+
+    @property
+    @abstractmethod
+    def config(self) -> Config:
+        """The agent's settings."""
+
+    @abstractmethod
+    def open_stream(self, request: FetchRequest, transport: str, params: bytes) -> Iterator[bytes]:
+        """Consumer: ask the owner's agent to run ``transport.serve`` and stream its output.
+
+        Blocks per item until the owner sends it or the request's deadline passes; raises
+        the mapped tensorwire error (``PeerLostError``, ``ObjectFreedError``, ...).
+        """
+
+    @abstractmethod
+    def local_object(self, object_id: bytes, token: bytes) -> StoredObject:
+        """Consumer in the owner's own process: the stored object (raises if freed or token wrong)."""
+
+    @abstractmethod
+    def check_owner(self, request: FetchRequest) -> None:
+        """Consumer: raise ``OwnerDiedError``/``ObjectFreedError``/... if the object is gone.
+
+        Used by one-sided transports when their handle no longer resolves.
+        """
+
+
+class Transport(ABC):
+    """One way of moving an object's bytes. One instance per agent (process).
+
+    Subclasses set ``name`` (the registry name) and ``capabilities``; the methods that their
+    capabilities call for are listed in this module's docstring.
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(self, context: TransportContext) -> None:
+        self.context = context
+
+    def unavailable_reason(self) -> str | None:
+        """Any process: ``None`` if usable here, else why not (called once by the agent)."""
+        return None
+
+    def export(self, obj: StoredObject) -> bytes | None:
+        """Producer, when a reference to ``obj`` first leaves the process.
+
+        Returns an opaque handle that travels inside the reference and reaches ``fetch`` on
+        the consumer, or ``None`` when this object cannot be exported (too large, wrong
+        memory). May block while it copies. Called at most once per object.
+        """
+        raise TransportUnavailableError(f"transport {self.name!r} does not export handles")
+
+    def release(self, obj: StoredObject) -> None:  # noqa: B027 - optional hook
+        """Producer, when ``obj`` is freed: drop every resource tied to it. Must not raise."""
+
+    def serve(self, obj: StoredObject, params: bytes) -> Iterator[bytes]:
+        """Producer, on an agent service thread: answer one consumer's two-sided fetch.
+
+        The items yielded travel to the consumer's ``context.open_stream`` in order.
+        """
+        raise TransportUnavailableError(f"transport {self.name!r} is not two-sided")
+
+    @abstractmethod
+    def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
+        """Consumer: fill ``dst`` (contiguous host tensors matching ``request.metas``).
+
+        Blocks until every byte arrived or ``request.deadline`` passed
+        (``TransferTimeoutError``). Host memory only here; the caller stages other devices.
+        """
+
+    def view(self, request: FetchRequest) -> list[torch.Tensor]:
+        """Consumer: tensors that map the producer's bytes without a copy.
+
+        Writing to them never changes the producer's data. Only for ``zero_copy_view``.
+        """
+        raise TransportUnavailableError(f"transport {self.name!r} has no zero-copy view")
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Any process, at agent shutdown: release process-wide resources."""

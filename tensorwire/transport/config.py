@@ -1,0 +1,80 @@
+"""Settings of the per-process agent, read once from ``TENSORWIRE_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["Config"]
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be positive")
+    return value
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"environment variable {name}={raw!r} must not be negative")
+    return value
+
+
+@dataclass(frozen=True)
+class Config:
+    """Agent settings. ``Config.from_env()`` reads them; tests build their own.
+
+    Attributes:
+        inline_max_nbytes: Objects up to this size travel inside the reference
+            (``TENSORWIRE_INLINE_NBYTES``, default 32 KiB).
+        transport: Forced transport for every fetch in this process, "" for automatic
+            (``TENSORWIRE_TRANSPORT``).
+        timeout_s: Default deadline of a fetch (``TENSORWIRE_TIMEOUT_S``, default 60 s).
+        rpc_timeout_s: Deadline of one control call (``TENSORWIRE_RPC_TIMEOUT_S``, 10 s).
+        transit_ttl_s: How long a reference in transit pins its object if nobody
+            deserializes it (``TENSORWIRE_TRANSIT_TTL_S``, default 600 s).
+        holder_check_interval_s: How often the owner checks that holders are alive.
+        holder_lost_after_s: A holder on another machine that has not answered for this
+            long loses its holds.
+        host: Address the TCP control service binds to (``TENSORWIRE_HOST``, default
+            127.0.0.1; the Ray runtime sets the node's address).
+        chunk_nbytes: Chunk size of streamed (two-sided) transfers.
+    """
+
+    inline_max_nbytes: int = 32 * 1024
+    transport: str = ""
+    timeout_s: float = 60.0
+    rpc_timeout_s: float = 10.0
+    transit_ttl_s: float = 600.0
+    holder_check_interval_s: float = 1.0
+    holder_lost_after_s: float = 30.0
+    host: str = "127.0.0.1"
+    chunk_nbytes: int = 4 * 1024 * 1024
+
+    @classmethod
+    def from_env(cls) -> Config:
+        return cls(
+            inline_max_nbytes=_env_int("TENSORWIRE_INLINE_NBYTES", cls.inline_max_nbytes),
+            transport=os.environ.get("TENSORWIRE_TRANSPORT", "").strip(),
+            timeout_s=_env_float("TENSORWIRE_TIMEOUT_S", cls.timeout_s),
+            rpc_timeout_s=_env_float("TENSORWIRE_RPC_TIMEOUT_S", cls.rpc_timeout_s),
+            transit_ttl_s=_env_float("TENSORWIRE_TRANSIT_TTL_S", cls.transit_ttl_s),
+            holder_check_interval_s=_env_float("TENSORWIRE_HOLDER_CHECK_S", cls.holder_check_interval_s),
+            holder_lost_after_s=_env_float("TENSORWIRE_HOLDER_LOST_S", cls.holder_lost_after_s),
+            host=os.environ.get("TENSORWIRE_HOST", "").strip() or cls.host,
+            chunk_nbytes=_env_int("TENSORWIRE_CHUNK_NBYTES", cls.chunk_nbytes) or cls.chunk_nbytes,
+        )

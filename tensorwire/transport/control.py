@@ -1,0 +1,281 @@
+"""The control service: a small gRPC server per agent, and the client other agents use.
+
+The server listens on a Unix socket (mode 0600, in a per-user 0700 directory) for peers on
+the same node and on TCP (``Config.host``, never 0.0.0.0 by default) for other nodes. Every
+call must carry the cluster token in its metadata; requests are protobuf messages
+(:mod:`tensorwire.transport.wire`) and nothing received is unpickled. Every client call has
+a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import secrets
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any, Protocol
+
+import grpc
+
+from tensorwire.errors import (
+    ObjectFreedError,
+    PeerLostError,
+    PermissionDeniedError,
+    TransferAbortedError,
+    TransferTimeoutError,
+    TransportError,
+)
+from tensorwire.transport.wire import messages
+
+__all__ = ["ControlClient", "ControlHandler", "ControlServer", "cluster_token", "map_rpc_error", "socket_dir"]
+
+logger = logging.getLogger(__name__)
+
+CLUSTER_TOKEN_ENV = "TENSORWIRE_CLUSTER_TOKEN"
+_TOKEN_METADATA = "tw-cluster-token"
+_SERVICE = "tensorwire.control.v1.Control"
+_MAX_MESSAGE_NBYTES = 64 * 1024 * 1024
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE_NBYTES),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_NBYTES),
+    ("grpc.enable_retries", 1),
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
+
+def socket_dir() -> str:
+    """A directory private to this user (0700) for the agents' Unix sockets."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = os.path.join(base, f"tensorwire-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.stat(path)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(
+            f"socket directory {path} must be owned by uid {os.getuid()} with mode 0700 "
+            f"(found uid {info.st_uid}, mode {oct(info.st_mode & 0o777)}); remove it or fix its permissions"
+        )
+    return path
+
+
+def cluster_token() -> bytes:
+    """The secret that gates every connection between agents.
+
+    ``TENSORWIRE_CLUSTER_TOKEN`` if set (the Ray runtime sets it for its workers; standalone
+    processes on several machines must share it), else a per-user token kept in
+    ``$XDG_CONFIG_HOME/tensorwire/cluster_token`` (mode 0600), created on first use.
+    """
+    from_env = os.environ.get(CLUSTER_TOKEN_ENV, "").strip()
+    if from_env:
+        return from_env.encode()
+    config_home = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    directory = os.path.join(config_home, "tensorwire")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    path = os.path.join(directory, "cluster_token")
+    if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(dir=directory)  # created 0600
+        try:
+            os.write(fd, secrets.token_hex(32).encode())
+            os.close(fd)
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)  # atomic: the first process wins, the others read its token
+        finally:
+            os.unlink(tmp)
+    with open(path, "rb") as f:
+        return f.read().strip()
+
+
+class ControlHandler(Protocol):
+    """What the agent implements; called on the server's threads."""
+
+    def handle_ping(self, request: Any) -> Any: ...
+    def handle_status(self, request: Any) -> Any: ...
+    def handle_holders(self, request: Any) -> Any: ...
+    def handle_free(self, request: Any) -> Any: ...
+    def handle_export(self, request: Any) -> Any: ...
+    def handle_transfer(self, request: Any) -> Iterator[bytes]: ...
+
+
+class RequestError(Exception):
+    """Raised by a handler to answer with a gRPC status (mapped to tensorwire errors by clients)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class ControlServer:
+    """The gRPC server of one agent. ``start()`` binds; ``stop()`` closes and removes the socket."""
+
+    def __init__(self, handler: ControlHandler, *, token: bytes, unix_path: str, tcp_host: str) -> None:
+        self._handler = handler
+        self._token = token
+        self._unix_path = unix_path
+        self._tcp_host = tcp_host
+        self._server: grpc.Server | None = None
+        self.unix_address = ""
+        self.tcp_address = ""
+
+    def start(self) -> None:
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tensorwire-control"),
+            options=_CHANNEL_OPTIONS,
+        )
+        unary = {
+            "Ping": (self._handler.handle_ping, "PingRequest", "PingReply"),
+            "Status": (self._handler.handle_status, "ObjectRequest", "StatusReply"),
+            "Holders": (self._handler.handle_holders, "HolderBatch", "HolderReply"),
+            "Free": (self._handler.handle_free, "ObjectRequest", "StatusReply"),
+            "Export": (self._handler.handle_export, "TransferRequest", "ExportReply"),
+        }
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(
+                self._guard_unary(fn),
+                request_deserializer=messages[req].FromString,
+                response_serializer=messages[rep].SerializeToString,
+            )
+            for name, (fn, req, rep) in unary.items()
+        }
+        handlers["Transfer"] = grpc.unary_stream_rpc_method_handler(
+            self._guard_stream(self._handler.handle_transfer),
+            request_deserializer=messages["TransferRequest"].FromString,
+            response_serializer=_identity,  # raw data chunks: copied, never interpreted
+        )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._unix_path)
+        if server.add_insecure_port(f"unix:{self._unix_path}") == 0:
+            raise OSError(f"could not bind the control service to unix socket {self._unix_path}")
+        port = server.add_insecure_port(f"{self._tcp_host}:0")
+        if port == 0:
+            raise OSError(f"could not bind the control service to TCP {self._tcp_host}:0; set TENSORWIRE_HOST")
+        server.start()
+        os.chmod(self._unix_path, 0o600)
+        self._server = server
+        self.unix_address = f"unix:{self._unix_path}"
+        self.tcp_address = f"{self._tcp_host}:{port}"
+
+    def stop(self, grace_s: float = 0.5) -> None:
+        if self._server is not None:
+            self._server.stop(grace_s)
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._unix_path)
+
+    def _authorized(self, context: grpc.ServicerContext) -> bool:
+        for key, value in context.invocation_metadata():
+            if key == _TOKEN_METADATA:
+                given = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(given, self._token)
+        return False
+
+    def _guard_unary(self, fn: Callable[[Any], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+        def method(request: Any, context: grpc.ServicerContext) -> Any:
+            if not self._authorized(context):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing cluster token")
+            try:
+                return fn(request)
+            except RequestError as e:
+                context.abort(e.code, e.details)
+
+        return method
+
+    def _guard_stream(self, fn: Callable[[Any], Iterator[bytes]]) -> Callable[[Any, grpc.ServicerContext], Any]:
+        def method(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
+            if not self._authorized(context):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing cluster token")
+            try:
+                for chunk in fn(request):
+                    if not context.is_active():
+                        return
+                    yield chunk
+            except RequestError as e:
+                context.abort(e.code, e.details)
+            except Exception as e:
+                logger.warning("serving a transfer failed: %s", e, exc_info=True)
+                context.abort(grpc.StatusCode.INTERNAL, f"producer failed while serving: {type(e).__name__}: {e}")
+
+        return method
+
+
+def map_rpc_error(error: grpc.RpcError, what: str) -> Exception:
+    """The tensorwire error for a failed control call (``what`` names the call for the message)."""
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else str(error)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return PermissionDeniedError(f"{what}: {details}")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return ObjectFreedError(f"{what}: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TransferTimeoutError(f"{what}: no answer before the deadline ({details})")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return PeerLostError(f"{what}: peer unreachable ({details})")
+    if code == grpc.StatusCode.CANCELLED:
+        return TransferAbortedError(f"{what}: cancelled ({details})")
+    return TransportError(f"{what}: {code.name if code else 'error'}: {details}")
+
+
+class ControlClient:
+    """Calls other agents' control services; one cached channel per address."""
+
+    def __init__(self, *, token: bytes) -> None:
+        self._metadata = ((_TOKEN_METADATA, token.decode()),)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                self._channels[address] = channel
+            return channel
+
+    def drop(self, address: str) -> None:
+        """Forget the channel to ``address`` (after its peer was lost)."""
+        with self._lock:
+            channel = self._channels.pop(address, None)
+        if channel is not None:
+            channel.close()
+
+    def _unary(self, address: str, method: str, request: Any, reply_type: str) -> Any:
+        return self._channel(address).unary_unary(
+            f"/{_SERVICE}/{method}",
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=messages[reply_type].FromString,
+        )
+
+    def call(self, address: str, method: str, request: Any, reply_type: str, *, timeout_s: float) -> Any:
+        """One unary call; raises ``grpc.RpcError`` (callers map it with :func:`map_rpc_error`)."""
+        stub = self._unary(address, method, request, reply_type)
+        return stub(request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=False)
+
+    def call_async(self, address: str, method: str, request: Any, reply_type: str, *, timeout_s: float) -> Any:
+        """Start one unary call; ``.result()`` on the returned future blocks (and raises) like :meth:`call`."""
+        stub = self._unary(address, method, request, reply_type)
+        return stub.future(request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=False)
+
+    def stream(self, address: str, request: Any, *, timeout_s: float) -> Any:
+        """Start a ``Transfer`` stream; the returned iterator yields raw chunks (``cancel()`` aborts)."""
+        stub = self._channel(address).unary_stream(
+            f"/{_SERVICE}/Transfer",
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=_identity,
+        )
+        return stub(request, timeout=timeout_s, metadata=self._metadata)
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            channel.close()

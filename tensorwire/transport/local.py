@@ -1,0 +1,38 @@
+"""``local``: producer and consumer are one process; the consumer gets the producer's tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tensorwire.transport.base import Capabilities, FetchRequest, MemoryKind, Transport
+
+__all__ = ["LocalTransport"]
+
+
+class LocalTransport(Transport):
+    """Same process: no copy. ``view`` returns the stored tensors themselves.
+
+    ``fetch`` (used when the caller gave ``out=`` buffers) copies into them.
+    """
+
+    name = "local"
+    capabilities = Capabilities(
+        one_sided=True,
+        same_process=True,
+        same_node=False,
+        cross_node=False,
+        memory=frozenset({MemoryKind.HOST, MemoryKind.CUDA}),
+        zero_copy_view=True,
+    )
+
+    def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
+        """Consumer (= owner process): copy the stored tensors into ``dst``; blocks for the copy."""
+        stored = self.context.local_object(request.object_id, request.token)
+        for src, out in zip(stored.tensors, dst, strict=True):
+            out.copy_(src)
+
+    def view(self, request: FetchRequest) -> list[torch.Tensor]:
+        """Consumer (= owner process): the producer's own tensors, shared, no copy."""
+        return list(self.context.local_object(request.object_id, request.token).tensors)

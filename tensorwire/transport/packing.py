@@ -1,0 +1,97 @@
+"""How an object's tensors are laid out as bytes: one packed buffer, or one ordered stream.
+
+* Packed layout (one-sided transports): tensors end to end, each at an offset aligned to
+  ``ALIGNMENT`` bytes (``TensorMeta.offset``), so one buffer serves a whole state dict.
+* Stream layout (inline, two-sided transports): the tensors' bytes concatenated in order and
+  cut into chunks; many small tensors share one chunk, so a 1,000-tensor value costs a few
+  messages, not 1,000.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+from tensorwire.errors import TransferAbortedError
+
+__all__ = ["ALIGNMENT", "ByteSink", "byte_view", "iter_stream_chunks", "packed_layout"]
+
+ALIGNMENT = 64
+
+
+def packed_layout(nbytes: Iterable[int]) -> tuple[list[int], int]:
+    """Offsets of tensors of the given sizes in a packed buffer, and the buffer's size."""
+    offsets = []
+    position = 0
+    for size in nbytes:
+        offsets.append(position)
+        position += (size + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+    return offsets, position
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor's bytes (no copy)."""
+    flat = tensor.reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=flat.device)
+    return flat.view(torch.uint8)
+
+
+def iter_stream_chunks(tensors: Iterable[torch.Tensor], chunk_nbytes: int) -> Iterator[bytes]:
+    """The stream layout of host ``tensors`` as chunks of about ``chunk_nbytes`` bytes."""
+    pending = bytearray()
+    for tensor in tensors:
+        data = memoryview(byte_view(tensor).numpy())
+        start = 0
+        while start < len(data):
+            room = chunk_nbytes - len(pending)
+            piece = data[start : start + room]
+            start += len(piece)
+            if not pending and len(piece) == chunk_nbytes:
+                yield piece.tobytes()
+                continue
+            pending += piece
+            if len(pending) >= chunk_nbytes:
+                yield bytes(pending)
+                pending.clear()
+    if pending:
+        yield bytes(pending)
+
+
+class ByteSink:
+    """Consumer side of the stream layout: writes arriving chunks into ``dst`` in order."""
+
+    def __init__(self, dst: Sequence[torch.Tensor]) -> None:
+        self._views = [byte_view(t).numpy() for t in dst if t.numel() > 0]
+        self._index = 0
+        self._position = 0
+        self.expected_nbytes = sum(v.nbytes for v in self._views)
+        self.received_nbytes = 0
+
+    def write(self, chunk: bytes | memoryview) -> None:
+        """Copy ``chunk`` into the destination tensors; raise if it overruns them."""
+        data = memoryview(chunk)
+        start = 0
+        while start < len(data):
+            if self._index >= len(self._views):
+                raise TransferAbortedError(
+                    f"peer sent more bytes than expected ({self.received_nbytes + len(data) - start} > "
+                    f"{self.expected_nbytes}); the object's metadata and data disagree"
+                )
+            view = self._views[self._index]
+            take = min(len(data) - start, view.nbytes - self._position)
+            view[self._position : self._position + take] = data[start : start + take]
+            start += take
+            self._position += take
+            if self._position == view.nbytes:
+                self._index += 1
+                self._position = 0
+        self.received_nbytes += len(data)
+
+    def finish(self) -> None:
+        """Raise ``TransferAbortedError`` unless every expected byte arrived."""
+        if self.received_nbytes != self.expected_nbytes:
+            raise TransferAbortedError(f"transfer ended after {self.received_nbytes} of {self.expected_nbytes} bytes")

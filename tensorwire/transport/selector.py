@@ -1,0 +1,160 @@
+"""Transport selection: one pure function from two peers and an object to ranked choices.
+
+The function looks only at its arguments (capabilities, peers, what the producer exported,
+the consumer's usable transports); it never probes or imports anything. Candidates that can
+serve are ranked by an estimated time ``fixed cost + bytes / bandwidth`` from
+:data:`DEFAULT_COSTS`; the result carries the reason for the choice and for every rejection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
+
+__all__ = ["DEFAULT_COSTS", "Choice", "CostEstimate", "ObjectSummary", "Selection", "select"]
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """Fixed cost per transfer and sustained bandwidth of one transport."""
+
+    fixed_us: float
+    bandwidth_gbps: float  # GB/s (1e9 bytes per second)
+
+    def seconds(self, nbytes: int) -> float:
+        return self.fixed_us * 1e-6 + nbytes / (self.bandwidth_gbps * 1e9)
+
+
+# Defaults measured on a 2-core CPU VM (see docs/architecture.md); unknown transports get
+# UNKNOWN_COST so that a plug-in is used when it is the only way, and ranked last otherwise.
+DEFAULT_COSTS: dict[str, CostEstimate] = {
+    "local": CostEstimate(fixed_us=2, bandwidth_gbps=1e6),
+    "inline": CostEstimate(fixed_us=5, bandwidth_gbps=2.0),
+    "shm": CostEstimate(fixed_us=60, bandwidth_gbps=5.0),
+    "host": CostEstimate(fixed_us=1500, bandwidth_gbps=1.0),
+}
+UNKNOWN_COST = CostEstimate(fixed_us=5000, bandwidth_gbps=0.5)
+
+
+@dataclass(frozen=True)
+class ObjectSummary:
+    """What the selector needs to know about the object being fetched."""
+
+    nbytes: int
+    memory: frozenset[MemoryKind]
+    exported: frozenset[str]  # transports whose handle travels with the reference
+
+
+@dataclass(frozen=True)
+class Choice:
+    transport: str
+    estimate_s: float
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Ranked transports that can serve (best first), the reason, and why others cannot."""
+
+    choices: tuple[Choice, ...]
+    reason: str
+    rejected: tuple[tuple[str, str], ...]
+
+    @property
+    def best(self) -> str | None:
+        return self.choices[0].transport if self.choices else None
+
+
+def _why_not(  # noqa: PLR0917 - private helper over the selector's inputs
+    name: str,
+    caps: Capabilities,
+    src: PeerInfo,
+    dst: PeerInfo,
+    obj: ObjectSummary,
+    usable_here: frozenset[str],
+    forced: bool,
+) -> str | None:
+    """Why transport ``name`` cannot serve this fetch, or None if it can.
+
+    A forced one-sided transport whose handle is missing stays a candidate: the consumer
+    then asks the owner to export on request.
+    """
+    if name not in usable_here:
+        return "not usable in this process"
+    same_process = src.same_process(dst)
+    same_node = src.same_node(dst)
+    if same_process and not caps.same_process:
+        return "producer and consumer are one process"
+    if not same_process and caps.same_process and not (caps.same_node or caps.cross_node):
+        return "producer is another process"
+    if not same_process and same_node and not caps.same_node:
+        return "same-node transfers not supported"
+    if not same_node and not caps.cross_node:
+        return f"different node ({src.node_id} -> {dst.node_id})"
+    if not same_process and caps.needs_export and name not in obj.exported and not forced:
+        return "the reference carries no handle for it (the object went inline, or export failed)"
+    if not same_process and not caps.one_sided and not caps.needs_export and name not in src.transports:
+        return "producer does not offer it"
+    missing = obj.memory - caps.memory
+    if missing and not caps.staged:
+        kinds = ", ".join(sorted(m.value for m in missing))
+        return f"cannot read {kinds} memory"
+    return None
+
+
+def _where(src: PeerInfo, dst: PeerInfo) -> str:
+    if src.same_process(dst):
+        return "same process"
+    if src.same_node(dst):
+        return "same node"
+    return f"cross node ({src.node_id} -> {dst.node_id})"
+
+
+def select(
+    src: PeerInfo,
+    dst: PeerInfo,
+    obj: ObjectSummary,
+    capabilities: Mapping[str, Capabilities],
+    *,
+    usable_here: frozenset[str],
+    forced: str = "",
+    costs: Mapping[str, CostEstimate] | None = None,
+) -> Selection:
+    """Rank the transports that can move ``obj`` from ``src`` (owner) to ``dst`` (consumer).
+
+    Args:
+        src: The producer's peer info.
+        dst: The consumer's peer info.
+        obj: Size, memory kinds and exported handles of the object.
+        capabilities: Every registered transport's capabilities, by name.
+        usable_here: Transports that work in the consumer's process.
+        forced: A transport name the user forced ("" for automatic). Only it is considered.
+        costs: Cost table overriding :data:`DEFAULT_COSTS` (calibration).
+
+    Returns:
+        A :class:`Selection`; ``choices`` is empty when nothing can serve.
+    """
+    table = {**DEFAULT_COSTS, **(costs or {})}
+    names = [forced] if forced else list(capabilities)
+    choices: list[Choice] = []
+    rejected: list[tuple[str, str]] = []
+    for name in names:
+        caps = capabilities.get(name)
+        reason = "not registered" if caps is None else _why_not(name, caps, src, dst, obj, usable_here, bool(forced))
+        if reason is None:
+            choices.append(Choice(name, table.get(name, UNKNOWN_COST).seconds(obj.nbytes)))
+        else:
+            rejected.append((name, reason))
+    choices.sort(key=lambda c: c.estimate_s)
+    where = f"{_where(src, dst)}, {'+'.join(sorted(m.value for m in obj.memory)) or 'no'} memory, {obj.nbytes} B"
+    if not choices:
+        reason = f"{where}: no transport can serve" + "".join(f"; {n}: {r}" for n, r in rejected)
+    else:
+        best = choices[0]
+        how = "forced" if forced else "fastest estimate"
+        others = ", ".join(f"{c.transport} {c.estimate_s * 1e3:.3g} ms" for c in choices[1:])
+        reason = f"{where}: {best.transport} ({how}, est {best.estimate_s * 1e3:.3g} ms)"
+        if others:
+            reason += f"; next: {others}"
+    return Selection(choices=tuple(choices), reason=reason, rejected=tuple(rejected))

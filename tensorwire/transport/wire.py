@@ -1,0 +1,148 @@
+"""Protobuf messages of the control service, built at import from the schema below.
+
+The schema is declared here rather than compiled by ``protoc`` so that the package works
+with any protobuf runtime from 4.25 on (generated code pins the runtime version). Only these
+messages (and raw data chunks, copied byte for byte) are ever read from the network; nothing
+received is unpickled.
+
+Equivalent ``.proto``::
+
+    message Device { string kind = 1; int32 index = 2; string uuid = 3; string pci_bus_id = 4; }
+    message Peer { string agent_id = 1; string node_id = 2; string machine_id = 3;
+                   string hostname = 4; int64 pid = 5; int64 start_time = 6;
+                   string unix_address = 7; string tcp_address = 8;
+                   repeated string transports = 9; repeated Device devices = 10; }
+    message PingRequest { Peer sender = 1; }
+    message PingReply { Peer peer = 1; }
+    message ObjectRequest { bytes object_id = 1; bytes token = 2; }
+    message StatusReply { int32 state = 1; }            // ObjectState
+    message HolderOp { int32 kind = 1; bytes object_id = 2; bytes token = 3; bytes pin_id = 4; }
+    message HolderBatch { Peer sender = 1; repeated HolderOp ops = 2; }
+    message HolderReply { int32 applied = 1; int32 rejected = 2; }
+    message ExportReply { bytes handle = 1; }
+    message TransferRequest { bytes object_id = 1; bytes token = 2; string transport = 3;
+                              bytes params = 4; Peer sender = 5; }
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool
+
+try:
+    from google.protobuf.message_factory import GetMessageClass as _get_message_class
+except ImportError:  # protobuf < 4.22
+    from google.protobuf.message_factory import MessageFactory as _MessageFactory
+
+    _get_message_class = _MessageFactory().GetPrototype  # type: ignore[assignment]
+
+from tensorwire.transport.base import DeviceInfo, PeerInfo
+
+__all__ = [
+    "HolderOpKind",
+    "ObjectState",
+    "decode_peer",
+    "encode_peer",
+    "messages",
+]
+
+_F = descriptor_pb2.FieldDescriptorProto
+_SCALARS = {"string": _F.TYPE_STRING, "bytes": _F.TYPE_BYTES, "int32": _F.TYPE_INT32, "int64": _F.TYPE_INT64}
+
+# message name -> [(field name, type, repeated)]; field numbers follow the order.
+_SCHEMA: dict[str, list[tuple[str, str, bool]]] = {
+    "Device": [("kind", "string", False), ("index", "int32", False), ("uuid", "string", False),
+               ("pci_bus_id", "string", False)],
+    "Peer": [("agent_id", "string", False), ("node_id", "string", False), ("machine_id", "string", False),
+             ("hostname", "string", False), ("pid", "int64", False), ("start_time", "int64", False),
+             ("unix_address", "string", False), ("tcp_address", "string", False),
+             ("transports", "string", True), ("devices", "Device", True)],
+    "PingRequest": [("sender", "Peer", False)],
+    "PingReply": [("peer", "Peer", False)],
+    "ObjectRequest": [("object_id", "bytes", False), ("token", "bytes", False)],
+    "StatusReply": [("state", "int32", False)],
+    "HolderOp": [("kind", "int32", False), ("object_id", "bytes", False), ("token", "bytes", False),
+                 ("pin_id", "bytes", False)],
+    "HolderBatch": [("sender", "Peer", False), ("ops", "HolderOp", True)],
+    "HolderReply": [("applied", "int32", False), ("rejected", "int32", False)],
+    "ExportReply": [("handle", "bytes", False)],
+    "TransferRequest": [("object_id", "bytes", False), ("token", "bytes", False), ("transport", "string", False),
+                        ("params", "bytes", False), ("sender", "Peer", False)],
+}  # fmt: skip
+
+_PACKAGE = "tensorwire.control.v1"
+
+
+class ObjectState(enum.IntEnum):
+    """What an owner knows about an object id (``StatusReply.state``)."""
+
+    UNKNOWN = 0
+    LIVE = 1
+    FREED = 2
+
+
+class HolderOpKind(enum.IntEnum):
+    """Holder bookkeeping sent from holders to owners (``HolderOp.kind``)."""
+
+    REGISTER = 1  # this process now holds a reference (consumes pin_id if set)
+    RELEASE = 2  # this process holds no reference any more
+    PIN = 3  # a reference left this process in transit under pin_id
+    UNPIN = 4  # the transit pin_id was consumed by a process that already holds
+
+
+def _build() -> dict[str, Any]:
+    proto = descriptor_pb2.FileDescriptorProto(name="tensorwire_control.proto", package=_PACKAGE, syntax="proto3")
+    for message_name, fields in _SCHEMA.items():
+        message = proto.message_type.add(name=message_name)
+        for number, (field_name, type_name, repeated) in enumerate(fields, start=1):
+            field = message.field.add(name=field_name, number=number)
+            field.label = _F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL
+            if type_name in _SCALARS:
+                field.type = _SCALARS[type_name]
+            else:
+                field.type = _F.TYPE_MESSAGE
+                field.type_name = f".{_PACKAGE}.{type_name}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return {name: _get_message_class(pool.FindMessageTypeByName(f"{_PACKAGE}.{name}")) for name in _SCHEMA}
+
+
+messages: dict[str, Any] = _build()
+
+
+def encode_peer(peer: PeerInfo) -> Any:
+    """A ``Peer`` message for ``peer``."""
+    return messages["Peer"](
+        agent_id=peer.agent_id,
+        node_id=peer.node_id,
+        machine_id=peer.machine_id,
+        hostname=peer.hostname,
+        pid=peer.pid,
+        start_time=peer.start_time,
+        unix_address=peer.unix_address,
+        tcp_address=peer.tcp_address,
+        transports=list(peer.transports),
+        devices=[
+            messages["Device"](kind=d.kind, index=d.index, uuid=d.uuid, pci_bus_id=d.pci_bus_id) for d in peer.devices
+        ],
+    )
+
+
+def decode_peer(message: Any) -> PeerInfo:
+    """The :class:`PeerInfo` a ``Peer`` message describes."""
+    return PeerInfo(
+        agent_id=message.agent_id,
+        node_id=message.node_id,
+        machine_id=message.machine_id,
+        hostname=message.hostname,
+        pid=int(message.pid),
+        start_time=int(message.start_time),
+        unix_address=message.unix_address,
+        tcp_address=message.tcp_address,
+        transports=tuple(message.transports),
+        devices=tuple(
+            DeviceInfo(kind=d.kind, index=int(d.index), uuid=d.uuid, pci_bus_id=d.pci_bus_id) for d in message.devices
+        ),
+    )

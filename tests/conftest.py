@@ -1,0 +1,94 @@
+"""Shared fixtures: hardware probe and markers, test-only transport, leak checks."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # only loopback traffic on test machines
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@functools.lru_cache(maxsize=1)
+def hardware() -> dict[str, object]:
+    """One cached probe of the hardware the marked tests need."""
+    gpus = 0
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        gpus = 0
+    rdma = os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
+    return {"gpus": gpus, "rdma": rdma}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    hw = hardware()
+    reasons = {
+        "gpu": None if hw["gpus"] >= 1 else "needs an NVIDIA GPU; this machine has none (torch.cuda sees 0 devices)",
+        "multi_gpu": None if hw["gpus"] >= 2 else f"needs 2 NVIDIA GPUs; this machine has {hw['gpus']}",
+        "rdma": None if hw["rdma"] else "needs an RDMA NIC; /sys/class/infiniband is empty or missing",
+    }
+    for item in items:
+        for marker, reason in reasons.items():
+            if reason and marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _segments() -> set[str]:
+    from tensorwire.transport.shm import SHM_DIR, segment_prefix
+
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(segment_prefix())}
+    except OSError:
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_segments_left_behind():
+    """After the whole session no shared-memory segment of ours may remain."""
+    before = _segments()
+    yield
+    from tensorwire.transport.agent import shutdown_agent
+    from tensorwire.transport.shm import remove_orphan_segments
+
+    shutdown_agent()
+    remove_orphan_segments()  # segments of workers killed on purpose by failure tests
+    left = _segments() - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+@pytest.fixture
+def agent():
+    """This process's agent, with its settings restored after the test."""
+    from tensorwire.transport.agent import get_agent
+
+    instance = get_agent()
+    config = instance.config
+    yield instance
+    instance.set_config(config)
+
+
+@pytest.fixture
+def worker():
+    """A spawned worker process (closed after the test)."""
+    from tests.helpers.procs import Worker
+
+    w = Worker()
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def remote_worker():
+    """A spawned worker that claims another node (``TENSORWIRE_NODE_ID``): cross-node paths."""
+    from tests.helpers.procs import Worker
+
+    w = Worker(env={"TENSORWIRE_NODE_ID": "test-node-b"})
+    yield w
+    w.close()

@@ -1,0 +1,68 @@
+"""A test-only plug-in transport: proves a transport is one module plus one registration.
+
+``testfile`` is one-sided and same-node: the producer writes the packed object into a file in
+a private directory; the consumer reads it into its buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+from collections.abc import Sequence
+
+import torch
+
+from tensorwire.errors import TransportUnavailableError
+from tensorwire.transport import (
+    Capabilities,
+    FetchRequest,
+    StoredObject,
+    Transport,
+    register_transport,
+    registered_transports,
+)
+from tensorwire.transport.packing import byte_view
+
+NAME = "testfile"
+_DIR = os.path.join(tempfile.gettempdir(), f"tensorwire-testfile-{os.getuid()}")
+
+
+class FileTransport(Transport):
+    name = NAME
+    capabilities = Capabilities(one_sided=True, same_process=False, same_node=True, cross_node=False, needs_export=True)
+
+    def export(self, obj: StoredObject) -> bytes | None:
+        os.makedirs(_DIR, mode=0o700, exist_ok=True)
+        path = os.path.join(_DIR, secrets.token_hex(16))
+        with open(path, "wb") as f:
+            for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
+                f.seek(meta.offset)
+                f.write(byte_view(tensor).numpy().tobytes())
+        obj.transport_state[NAME] = path
+        return path.encode()
+
+    def release(self, obj: StoredObject) -> None:
+        path = obj.transport_state.pop(NAME, None)
+        if isinstance(path, str) and os.path.exists(path):
+            os.unlink(path)
+
+    def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
+        if request.handle is None:
+            raise TransportUnavailableError("no file handle")
+        try:
+            f = open(request.handle.decode(), "rb")  # noqa: SIM115
+        except FileNotFoundError:
+            self.context.check_owner(request)
+            raise
+        with f:
+            for meta, out in zip(request.metas, dst, strict=True):
+                f.seek(meta.offset)
+                f.readinto(memoryview(byte_view(out).numpy()))
+
+
+def register() -> list[str]:
+    """Register ``testfile`` in this process (idempotent); returns the registered names."""
+    if NAME not in registered_transports():
+        register_transport(NAME, "tests.helpers.file_transport:FileTransport")
+    return registered_transports()

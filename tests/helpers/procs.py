@@ -1,0 +1,89 @@
+"""Spawned worker processes for multi-process tests.
+
+A :class:`Worker` runs functions from importable modules in a fresh ``spawn`` process and
+returns their results; an exception in the child is re-raised in the parent with the
+child's traceback. Every call has a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import traceback
+from typing import Any
+
+
+class ChildError(Exception):
+    """An exception raised in a worker; ``exc_type`` names its class, the message holds the traceback."""
+
+    def __init__(self, exc_type: str, text: str) -> None:
+        super().__init__(f"{exc_type} in child:\n{text}")
+        self.exc_type = exc_type
+
+
+def _serve(conn: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        target, payload = message
+        try:
+            module_name, fn_name = target.split(":")
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            args, kwargs = pickle.loads(payload)
+            result = fn(*args, **kwargs)
+            conn.send(("ok", pickle.dumps(result)))
+        except BaseException as e:
+            conn.send(("error", (type(e).__name__, traceback.format_exc())))
+
+
+class Worker:
+    """One spawned process that runs ``module:function`` calls sent to it."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, dict(env or {})), daemon=True)
+        self.process.start()
+        child.close()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send(self, target: str, *args: Any, **kwargs: Any) -> None:
+        """Start a call without waiting for its result (collect it with :meth:`result`)."""
+        self._conn.send((target, pickle.dumps((args, kwargs))))
+
+    def result(self, timeout_s: float = 60.0) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"worker {self.pid} gave no answer within {timeout_s} s")
+        status, payload = self._conn.recv()
+        if status == "error":
+            raise ChildError(*payload)
+        return pickle.loads(payload)
+
+    def call(self, target: str, *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> Any:
+        self.send(target, *args, **kwargs)
+        return self.result(timeout_s)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send(None)
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(10)
+        self._conn.close()

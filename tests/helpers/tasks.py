@@ -1,0 +1,201 @@
+"""Functions that workers run (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+import tensorwire as tw
+
+_kept: dict[str, Any] = {}
+
+
+def digest(value: Any) -> str:
+    """A checksum of every tensor's bytes, dtype and shape, in structure order."""
+    h = hashlib.sha256()
+
+    def visit(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            h.update(f"T{tuple(item.shape)}{item.dtype}".encode())
+            h.update(item.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if item.numel() else b"")
+        elif isinstance(item, np.ndarray):
+            h.update(f"N{item.shape}{item.dtype}".encode())
+            h.update(np.ascontiguousarray(item).tobytes())
+        elif isinstance(item, dict):
+            for k in item:
+                h.update(repr(k).encode())
+                visit(item[k])
+        elif isinstance(item, (list, tuple)):
+            h.update(f"S{type(item).__name__}{len(item)}".encode())
+            for x in item:
+                visit(x)
+        else:
+            h.update(repr(item).encode())
+
+    visit(value)
+    return h.hexdigest()
+
+
+def get_digest(ref: tw.Ref, **kwargs: Any) -> str:
+    return digest(tw.get(ref, **kwargs))
+
+
+def get_error(ref: tw.Ref, **kwargs: Any) -> str:
+    """The class name of the error ``get`` raises, or "ok"."""
+    try:
+        tw.get(ref, **kwargs)
+    except Exception as e:
+        return type(e).__name__
+    return "ok"
+
+
+def get_transport(ref: tw.Ref, **kwargs: Any) -> tuple[str, str]:
+    """(digest, transport used) of one get."""
+    value = tw.get(ref, **kwargs)
+    record = tw.stats()["recent"][-1]
+    return digest(value), record.transport
+
+
+def put_value(kind: str, nbytes: int, seed: int = 0, keep: str = "") -> tuple[tw.Ref, str]:
+    """Make a value in this process, put it, return (ref, digest)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "tensor":
+        value: Any = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=gen)
+    else:
+        value = {f"w{i}": torch.randn(max(1, nbytes // 4 // 16), generator=gen) for i in range(16)}
+    ref = tw.put(value)
+    if keep:
+        _kept[keep] = ref
+    return ref, digest(value)
+
+
+def hold(ref: tw.Ref, name: str) -> int:
+    """Keep ``ref`` alive in this process under ``name``."""
+    _kept[name] = ref
+    return ref.nbytes
+
+
+def drop(name: str) -> None:
+    _kept.pop(name, None)
+    import gc
+
+    gc.collect()
+    from tensorwire.transport.agent import get_agent
+
+    get_agent().flush()
+
+
+def owned() -> int:
+    from tensorwire.transport.agent import get_agent
+
+    return get_agent().owned_objects()
+
+
+def sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def get_into_out(ref: tw.Ref, transport: str = "") -> tuple[str, bool]:
+    """Receive into preallocated buffers; (digest, whether the very buffers came back)."""
+    out = [torch.zeros(m.shape, dtype=getattr(torch, m.dtype)) for m in ref.metas]
+    if len(out) == 1:
+        value = tw.get(ref, out=out[0], transport=transport)
+        return digest(value), value is out[0]
+    raise ValueError("get_into_out takes single-tensor refs")
+
+
+def register_test_transport() -> list[str]:
+    from tests.helpers.file_transport import register
+
+    return register()
+
+
+def set_inline_limit(nbytes: int) -> None:
+    from dataclasses import replace
+
+    from tensorwire.transport.agent import get_agent
+
+    agent = get_agent()
+    agent.set_config(replace(agent.config, inline_max_nbytes=nbytes))
+
+
+def put_and_return(nbytes: int, seed: int = 0) -> tuple[tw.Ref, str]:
+    """Put a random uint8 tensor and keep it alive only through the returned reference."""
+    value = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return tw.put(value), digest(value)
+
+
+def get_and_time(ref: tw.Ref, transport: str = "") -> float:
+    """Seconds one get takes (after the worker's agent is warm)."""
+    start = time.perf_counter()
+    tw.get(ref, transport=transport)
+    return time.perf_counter() - start
+
+
+def cycle(ref: tw.Ref) -> int:
+    """Get and drop: the sum of the bytes (a cheap check)."""
+    value = tw.get(ref)
+    return int(value.sum())
+
+
+def flush() -> bool:
+    from tensorwire.transport.agent import get_agent
+
+    return get_agent().flush()
+
+
+def pickled(name: str) -> bytes:
+    """A kept reference, pickled in this process (as a holder forwarding it)."""
+    import pickle
+
+    return pickle.dumps(_kept[name])
+
+
+def get_kept_error(name: str, **kwargs: Any) -> str:
+    return get_error(_kept[name], **kwargs)
+
+
+def free_ref(ref: tw.Ref) -> None:
+    tw.free(ref)
+
+
+def put_filled(nbytes: int, fill: int = 7) -> tw.Ref:
+    """Put a large tensor cheaply (no checksum work)."""
+    return tw.put(torch.full((nbytes,), fill, dtype=torch.uint8))
+
+
+def get_digest_or_error(ref: tw.Ref, **kwargs: Any) -> str:
+    try:
+        return get_digest(ref, **kwargs)
+    except tw.TensorwireError as e:
+        return type(e).__name__
+
+
+def get_many_digests(refs: list[tw.Ref]) -> list[str]:
+    return [digest(v) for v in tw.get(refs)]
+
+
+def get_counting_transfers(ref: tw.Ref, transport: str) -> tuple[str, int]:
+    before = tw.stats()["transfers"].get(transport, {"count": 0})["count"]
+    value = tw.get(ref, transport=transport)
+    return digest(value), tw.stats()["transfers"][transport]["count"] - before
+
+
+def view_and_write(ref: tw.Ref) -> dict[str, Any]:
+    """A zero-copy view: write to it, then fetch again to show the write stayed private."""
+    view = tw.get(ref, view=True)
+    record = tw.stats()["recent"][-1]
+    first = int(view[0])
+    view[0] = -1
+    again = tw.get(ref, view=True)
+    return {"zero_copy": record.zero_copy, "first": first, "after_write": int(view[0]), "again": int(again[0])}

@@ -1,0 +1,103 @@
+"""The value walker: structure kept, tensors slotted, bad input named by path."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import pickle
+import threading
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import torch
+
+from tensorwire.runtime.values import Slot, dumps_skeleton, flatten, match_out, unflatten
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    label: str
+    extra: list
+
+
+class Pair(NamedTuple):
+    left: torch.Tensor
+    right: int
+
+
+def test_round_trip_keeps_types_and_attributes():
+    sd = collections.OrderedDict(a=torch.ones(2), b=torch.zeros(3))
+    sd._metadata = {"": {"version": 1}}  # like nn.Module.state_dict()
+    value = {"sd": sd, "batch": Batch(torch.arange(3), "y", [np.ones(2), 5]), "pair": Pair(torch.ones(1), 2)}
+    skeleton, tensors, is_numpy = flatten(value)
+    assert len(tensors) == 5 and is_numpy == [False, False, False, True, False]
+    rebuilt = unflatten(pickle.loads(dumps_skeleton(skeleton)), tensors)
+    assert type(rebuilt["sd"]) is collections.OrderedDict and rebuilt["sd"]._metadata == sd._metadata
+    assert isinstance(rebuilt["batch"], Batch) and rebuilt["batch"].label == "y"
+    assert isinstance(rebuilt["pair"], Pair) and rebuilt["pair"].right == 2
+    assert value["sd"]["a"] is sd["a"]  # the input is not modified
+
+
+def test_tied_tensor_is_one_slot():
+    shared = torch.randn(4)
+    skeleton, tensors, _ = flatten({"embed": shared, "head": shared})
+    assert len(tensors) == 1
+    rebuilt = unflatten(skeleton, tensors)
+    assert rebuilt["embed"] is rebuilt["head"]
+
+
+def test_noncontiguous_and_grad_tensors_are_made_plain():
+    base = torch.randn(4, 5, requires_grad=True)
+    _, tensors, _ = flatten([base.t(), torch.nn.Parameter(torch.ones(2))])
+    assert all(t.is_contiguous() and not t.requires_grad for t in tensors)
+    assert torch.equal(tensors[0], base.detach().t())
+
+
+@pytest.mark.parametrize(
+    ("value", "pattern"),
+    [
+        ({"s": torch.eye(3).to_sparse()}, r"value\['s'\]: torch.sparse_coo tensors are not supported"),
+        ([np.array(["a", "b"])], r"value\[0\]: numpy arrays of dtype <U1"),
+        ([np.array([object()])], r"dtype object"),
+        ({"m": torch.empty(3, device="meta")}, "meta device"),
+    ],
+)
+def test_unsupported_tensors_are_named_by_path(value, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        flatten(value)
+
+
+def test_tensor_hidden_in_an_unwalked_container_is_refused():
+    skeleton, _, _ = flatten({"s": {1, 2}, "obj": [frozenset([torch.ones(1).numpy().tobytes()])]})
+    dumps_skeleton(skeleton)  # fine: no tensors inside
+    with pytest.raises(TypeError, match="inside an object tensorwire does not walk"):
+        dumps_skeleton(flatten({"box": _Box(torch.ones(2))})[0])
+
+
+class _Box:
+    def __init__(self, t):
+        self.t = t
+
+
+def test_unpicklable_leaf_is_a_type_error():
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        dumps_skeleton(flatten({"lock": threading.Lock()})[0])
+
+
+def test_cycle_is_a_value_error():
+    cyclic: list = [torch.ones(1)]
+    cyclic.append(cyclic)
+    with pytest.raises(ValueError, match="reference cycle"):
+        flatten(cyclic)
+
+
+def test_match_out_by_structure():
+    skeleton = {"a": Slot(0), "b": [Slot(1)]}
+    a, b = torch.empty(1), torch.empty(2)
+    assert match_out(skeleton, {"b": [b], "a": a}) == {0: a, 1: b}
+    with pytest.raises(ValueError, match=r"out: missing key 'a'"):
+        match_out(skeleton, {"b": [b]})
+    with pytest.raises(ValueError, match=r"out\['b'\]: expected a sequence of length 1"):
+        match_out(skeleton, {"a": a, "b": []})

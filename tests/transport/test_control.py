@@ -1,0 +1,86 @@
+"""The control service: cluster token, socket permissions, malformed input, no unpickling."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import stat
+
+import grpc
+import pytest
+
+from tensorwire.transport.control import _SERVICE, _TOKEN_METADATA, cluster_token
+from tensorwire.transport.wire import messages
+
+
+def _raw_call(address: str, method: str, payload: bytes, token: bytes | None):
+    channel = grpc.insecure_channel(address)
+    try:
+        stub = channel.unary_unary(f"/{_SERVICE}/{method}", request_serializer=None, response_deserializer=None)
+        metadata = ((_TOKEN_METADATA, token.decode()),) if token is not None else ()
+        return stub(payload, timeout=5, metadata=metadata)
+    finally:
+        channel.close()
+
+
+def _ping(agent, token: bytes | None):
+    return messages["PingReply"].FromString(
+        _raw_call(agent.peer.unix_address, "Ping", messages["PingRequest"]().SerializeToString(), token)
+    )
+
+
+def test_cluster_token_gates_every_call(agent):
+    assert _ping(agent, cluster_token()).peer.agent_id == agent.peer.agent_id
+    for token in (None, b"wrong-token"):
+        with pytest.raises(grpc.RpcError) as info:
+            _ping(agent, token)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("payload", [b"\xff\xff\xff\xff", b"\x0a\xff", os.urandom(512)])
+def test_malformed_requests_get_an_error_and_the_agent_lives(agent, payload):
+    for method in ("Holders", "Status", "Free", "Export"):
+        try:
+            _raw_call(agent.peer.unix_address, method, payload, cluster_token())
+        except grpc.RpcError as e:
+            assert e.code() in (
+                grpc.StatusCode.INTERNAL,
+                grpc.StatusCode.NOT_FOUND,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.PERMISSION_DENIED,
+                grpc.StatusCode.UNKNOWN,
+            )
+    assert _ping(agent, cluster_token()).peer.agent_id == agent.peer.agent_id
+
+
+def test_holder_ops_with_wrong_tokens_are_rejected(agent):
+    import torch
+
+    import tensorwire as tw
+
+    ref = tw.put(torch.ones(10))
+    op = messages["HolderOp"](kind=2, object_id=ref._desc.object_id, token=b"x" * 16)
+    batch = messages["HolderBatch"](ops=[op]).SerializeToString()
+    reply = messages["HolderReply"].FromString(_raw_call(agent.peer.unix_address, "Holders", batch, cluster_token()))
+    assert (reply.applied, reply.rejected) == (0, 1)
+    assert tw.get(ref).sum() == 10
+
+
+def test_socket_is_private_and_tcp_not_on_all_interfaces(agent):
+    path = agent.peer.unix_address.removeprefix("unix:")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert not agent.peer.tcp_address.startswith(("0.0.0.0", "[::]"))
+
+
+def test_transport_layer_never_unpickles():
+    root = pathlib.Path(__file__).resolve().parents[2] / "tensorwire" / "transport"
+    offenders = [
+        f"{p.name}:{i}"
+        for p in root.glob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if any(
+            word in line for word in ("pickle.load", "pickle.loads", "cloudpickle.load", "Unpickler", "marshal.load")
+        )
+    ]
+    assert offenders == []

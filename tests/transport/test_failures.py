@@ -1,0 +1,123 @@
+"""Failure paths with real processes: owner killed, stalled, unreachable, forged tokens."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+import tensorwire as tw
+from tensorwire.runtime.ref import Ref
+from tests.helpers.procs import Worker
+from tests.helpers.tasks import digest
+
+
+@pytest.fixture
+def owner():
+    w = Worker()
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "host", ""])
+def test_owner_killed_before_transfer(owner, transport):
+    ref, _ = owner.call("tests.helpers.tasks:put_and_return", 1 << 20)
+    owner.kill()
+    start = time.monotonic()
+    with pytest.raises(tw.OwnerDiedError, match="has exited"):
+        tw.get(ref, transport=transport, timeout_s=20)
+    assert time.monotonic() - start < 5
+
+
+def test_owner_on_another_node_killed_before_transfer():
+    other = Worker(env={"TENSORWIRE_NODE_ID": "failures-node-b"})
+    try:
+        ref, _ = other.call("tests.helpers.tasks:put_and_return", 1 << 20)
+        other.kill()
+        with pytest.raises(tw.OwnerDiedError):
+            tw.get(ref, timeout_s=20)
+    finally:
+        other.close()
+
+
+def test_owner_killed_during_transfer(owner):
+    ref = owner.call("tests.helpers.tasks:put_filled", 768 << 20)
+    outcome: list[object] = []
+
+    def fetch() -> None:
+        try:
+            tw.get(ref, transport="host", timeout_s=60)
+            outcome.append("completed")
+        except Exception as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=fetch)
+    thread.start()
+    time.sleep(0.3)
+    owner.kill()
+    thread.join(30)
+    assert not thread.is_alive(), "the fetch hung after its owner died"
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], (tw.OwnerDiedError, tw.PeerLostError)), outcome[0]
+
+
+def test_ref_freed_mid_transfer_is_complete_or_freed_never_partial(agent, worker):
+    import torch
+
+    value = torch.full((512 << 20,), 5, dtype=torch.uint8)
+    expected = digest(value)
+    ref = tw.put(value)
+    del value
+    worker.send("tests.helpers.tasks:get_digest_or_error", ref, transport="host")
+    time.sleep(0.5)
+    tw.free(ref)
+    assert worker.result(timeout_s=60) in (expected, "ObjectFreedError")
+    with pytest.raises(tw.ObjectFreedError):
+        tw.get(ref)
+
+
+@pytest.mark.parametrize("transport", ["host", "shm"])
+def test_forged_token_is_denied(owner, transport):
+    ref, _ = owner.call("tests.helpers.tasks:put_and_return", 1 << 20)
+    forged_desc = replace(ref._desc, token=os.urandom(16))
+    forged = Ref(forged_desc, ref._skeleton_bytes, {})
+    with pytest.raises(tw.PermissionDeniedError):
+        tw.get(forged, transport=transport)
+    got = tw.get(ref, transport=transport)  # the real reference still works
+    assert got.numel() == 1 << 20
+
+
+def test_stalled_owner_hits_the_deadline(owner):
+    ref, _ = owner.call("tests.helpers.tasks:put_and_return", 1 << 20)
+    os.kill(owner.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(tw.TransferTimeoutError):
+            tw.get(ref, transport="host", timeout_s=1.0)
+        assert time.monotonic() - start < 4
+    finally:
+        os.kill(owner.pid, signal.SIGCONT)
+    assert tw.get(ref, transport="host").numel() == 1 << 20  # usable again
+
+
+def test_unreachable_owner_is_peer_lost():
+    value = tw.put(os.urandom(1) and __import__("torch").ones(100_000))
+    far_owner = replace(
+        value._desc.owner, agent_id="far", machine_id="elsewhere", node_id="far-node", tcp_address="127.0.0.1:1"
+    )
+    ref = Ref(replace(value._desc, owner=far_owner), value._skeleton_bytes, {})
+    start = time.monotonic()
+    with pytest.raises(tw.PeerLostError):
+        tw.get(ref, timeout_s=5)
+    assert time.monotonic() - start < 6
+
+
+def test_failed_fetch_leaves_both_sides_usable(owner):
+    ref, expected = owner.call("tests.helpers.tasks:put_and_return", 1 << 20)
+    with pytest.raises(tw.NoTransportError):
+        tw.get(ref, transport="local")
+    assert digest(tw.get(ref)) == expected

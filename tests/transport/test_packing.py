@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorwire.errors import TransferAbortedError
+from tensorwire.transport.packing import ALIGNMENT, ByteSink, iter_stream_chunks, packed_layout
+
+
+def test_packed_layout_aligns_every_tensor():
+    offsets, total = packed_layout([1, 0, 100, 64])
+    assert offsets == [0, ALIGNMENT, ALIGNMENT, ALIGNMENT + 128]
+    assert total == ALIGNMENT + 128 + 64
+    assert all(o % ALIGNMENT == 0 for o in offsets)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
+def test_stream_round_trip_many_small_and_large(chunk):
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=gen) for n in (0, 1, 3, 1000, 5)] + [torch.tensor(True)]
+    chunks = list(iter_stream_chunks(tensors, chunk))
+    assert all(len(c) <= chunk for c in chunks)
+    dst = [torch.empty_like(t) for t in tensors]
+    sink = ByteSink(dst)
+    for c in chunks:
+        sink.write(c)
+    sink.finish()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, dst, strict=True))
+
+
+def test_many_small_tensors_share_chunks():
+    tensors = [torch.ones(4) for _ in range(1000)]  # 16 KB in 1,000 tensors
+    assert len(list(iter_stream_chunks(tensors, 1 << 20))) == 1
+
+
+def test_sink_rejects_overrun_and_short_streams():
+    sink = ByteSink([torch.empty(2, dtype=torch.uint8)])
+    with pytest.raises(TransferAbortedError, match="more bytes than expected"):
+        sink.write(b"abc")
+    short = ByteSink([torch.empty(4, dtype=torch.uint8)])
+    short.write(b"ab")
+    with pytest.raises(TransferAbortedError, match="2 of 4 bytes"):
+        short.finish()
