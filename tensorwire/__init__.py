@@ -23,7 +23,8 @@ from tensorwire.errors import (
 )
 
 if TYPE_CHECKING:
-    from tensorwire.runtime.api import free, get, put, stats
+    from tensorwire.runtime.actor import method, passthrough, remote
+    from tensorwire.runtime.api import free, get, init, put, stats, wait
     from tensorwire.runtime.ref import Ref
 
 __version__ = "0.1.0"
@@ -43,11 +44,21 @@ __all__ = [
     "errors",
     "free",
     "get",
+    "init",
+    "method",
+    "passthrough",
     "put",
+    "remote",
     "stats",
+    "wait",
 ]
 
 _LAZY = {
+    "init": "tensorwire.runtime.api",
+    "wait": "tensorwire.runtime.api",
+    "remote": "tensorwire.runtime.actor",
+    "method": "tensorwire.runtime.actor",
+    "passthrough": "tensorwire.runtime.actor",
     "put": "tensorwire.runtime.api",
     "get": "tensorwire.runtime.api",
     "free": "tensorwire.runtime.api",

@@ -1,8 +1,16 @@
-"""``put`` / ``get`` / ``free`` / ``stats``: the standalone API (no Ray needed)."""
+"""``init`` / ``put`` / ``get`` / ``wait`` / ``free`` / ``stats``.
+
+``put``, ``get`` and ``free`` work in any process, with or without Ray (standalone mode);
+``init`` starts or joins Ray; ``wait`` and ``await ref`` matter for results of Ray calls.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -10,15 +18,49 @@ import numpy as np
 import torch
 
 from tensorwire.runtime import values
-from tensorwire.runtime.ref import Ref
-from tensorwire.transport.agent import get_agent
+from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.runtime.ray_env import configure_process
+from tensorwire.runtime.ref import Ref, RefState
 from tensorwire.transport.base import TensorKind, TensorMeta
 from tensorwire.transport.packing import packed_layout
 
-__all__ = ["free", "get", "put", "stats"]
+__all__ = ["free", "get", "get_async", "init", "put", "stats", "wait"]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+def init(address: str | None = None, **ray_init_kwargs: Any) -> None:
+    """Start a local Ray instance (the embedded default) or join the cluster at ``address``.
+
+    When Ray is already initialized in this process it is used as it is (the keyword
+    arguments are then ignored). Call ``init`` before creating references in the driver:
+    the driver's agent takes its node id, address and cluster token from Ray.
+
+    Args:
+        address: A Ray address (``"auto"``, ``"ray://..."``); None starts a local instance
+            unless ``RAY_ADDRESS`` is set.
+        **ray_init_kwargs: Passed to ``ray.init`` (``num_cpus``, ``include_dashboard``, ...).
+
+    Raises:
+        RuntimeError: This process already owns references made before ``init``.
+    """
+    import ray
+
+    from tensorwire.transport import agent as agent_module
+
+    if not ray.is_initialized():
+        ray.init(address=address, **ray_init_kwargs)
+    existing = agent_module._agent
+    expected_node_id = os.environ.get("TENSORWIRE_NODE_ID") or ray.get_runtime_context().get_node_id()
+    if existing is not None and existing.peer.node_id != expected_node_id:
+        if existing.owned_objects():
+            raise RuntimeError(
+                "tensorwire.init() must come before the first tensorwire.put() in this process: "
+                f"{existing.owned_objects()} object(s) are already owned by an agent started outside Ray"
+            )
+        agent_module.shutdown_agent()
+    configure_process()
 
 
 def put(value: Any) -> Ref:
@@ -49,8 +91,8 @@ def put(value: Any) -> Ref:
         )
         for t, offset, numpy in zip(tensors, offsets, is_numpy, strict=True)
     )
-    desc = get_agent().register(tensors, metas, packed_nbytes)
-    return Ref(desc, skeleton_bytes, {}, skeleton)
+    desc = runtime_agent().register(tensors, metas, packed_nbytes)
+    return Ref(RefState(desc, skeleton_bytes, {}, b""), skeleton)
 
 
 def _target_device(meta: TensorMeta, device: str | torch.device | None) -> torch.device:
@@ -74,6 +116,36 @@ def _check_out(buffer: Any, meta: TensorMeta, index: int) -> torch.Tensor:
     return tensor
 
 
+def _place(skeleton: Any, tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], device: Any, out: Any) -> Any:
+    """The value with fetched ``tensors`` copied into ``out`` or moved to their device."""
+    outs = values.match_out(skeleton, out) if out is not None else {}
+    leaves: list[Any] = []
+    for i, (tensor, meta) in enumerate(zip(tensors, metas, strict=True)):
+        if i in outs:
+            buffer = _check_out(outs[i], meta, i)
+            if buffer is not tensor:
+                buffer.copy_(tensor)
+            leaves.append(outs[i])
+            continue
+        target = _target_device(meta, device)
+        placed = tensor if tensor.device == target else tensor.to(target)
+        leaves.append(placed.numpy() if meta.kind is TensorKind.NUMPY and placed.device.type == "cpu" else placed)
+    return values.unflatten(skeleton, leaves)
+
+
+def _get_staged(ref: Ref, device: Any, out: Any, timeout_s: float | None) -> Any:
+    value = ref._pending.get_staged(timeout_s)  # type: ignore[union-attr]
+    if device is None and out is None:
+        return value
+    skeleton, tensors, is_numpy = values.flatten(value)
+    metas = tuple(
+        TensorMeta(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), 0, 0,
+                   TensorKind.NUMPY if numpy else TensorKind.TORCH)
+        for t, numpy in zip(tensors, is_numpy, strict=True)
+    )  # fmt: skip
+    return _place(skeleton, tensors, metas, device, out)
+
+
 def _get_one(
     ref: Ref,
     *,
@@ -85,37 +157,36 @@ def _get_one(
 ) -> Any:
     if not isinstance(ref, Ref):
         raise TypeError(f"tensorwire.get expects a Ref (or a list of Refs), got {type(ref).__name__}")
-    agent = get_agent()
-    desc = ref._desc
-    metas = desc.metas
+    if ref.is_staged:
+        return _get_staged(ref, device, out, timeout_s)
+    start = time.monotonic()
+    state = ref._resolve(timeout_s)
+    if timeout_s is not None:
+        timeout_s = max(0.0, timeout_s - (time.monotonic() - start))
+    agent = runtime_agent()
+    desc = state.desc
     skeleton = ref._load_skeleton()
     outs = values.match_out(skeleton, out) if out is not None else {}
-    out_tensors = {i: _check_out(buffer, metas[i], i) for i, buffer in outs.items()}
-    targets = [_target_device(m, device) for m in metas]
+    out_tensors = {i: _check_out(buffer, desc.metas[i], i) for i, buffer in outs.items()}
     same_process = desc.owner.agent_id == agent.peer.agent_id
     dst: list[torch.Tensor] | None = None
     if out_tensors or not (view or same_process):
         dst = []
-        for i, meta in enumerate(metas):
+        for i, meta in enumerate(desc.metas):
             buffer = out_tensors.get(i)
             if buffer is not None and buffer.device.type == "cpu" and buffer.is_contiguous():
                 dst.append(buffer)  # receive straight into the caller's memory
             else:
                 dst.append(torch.empty(meta.shape, dtype=getattr(torch, meta.dtype)))
     tensors, _record = agent.fetch(
-        desc, ref._handles, dst=dst, transport=transport, view=dst is None, timeout_s=timeout_s
+        desc,
+        state.handles,
+        dst=dst,
+        transport=transport or state.transport,
+        view=dst is None,
+        timeout_s=timeout_s,
     )
-    leaves: list[Any] = []
-    for i, (tensor, meta, target) in enumerate(zip(tensors, metas, targets, strict=True)):
-        buffer = out_tensors.get(i)
-        if buffer is not None:
-            if buffer is not tensor:
-                buffer.copy_(tensor)
-            leaves.append(outs[i])
-            continue
-        placed = tensor if tensor.device == target else tensor.to(target)
-        leaves.append(placed.numpy() if meta.kind is TensorKind.NUMPY and placed.device.type == "cpu" else placed)
-    return values.unflatten(skeleton, leaves)
+    return _place(skeleton, tensors, desc.metas, device, out)
 
 
 def get(
@@ -136,12 +207,13 @@ def get(
         out: Existing tensors to receive into, in the value's structure (a tensor for a
             tensor value, a dict of tensors for a state dict, ...); shapes and dtypes must
             match. With a list of refs, a list of such values.
-        transport: Force a transport by name ("" picks automatically; the environment
-            variable ``TENSORWIRE_TRANSPORT`` forces one for the whole process).
+        transport: Force a transport by name ("" uses the producer's choice, if it made one,
+            else picks automatically; ``TENSORWIRE_TRANSPORT`` forces one process-wide).
         view: Return zero-copy views where the transport allows (same process: the
             producer's own tensors; same node: a copy-on-write mapping of shared memory).
             In the producer's own process views are the default.
-        timeout_s: Deadline for the fetch (default ``TENSORWIRE_TIMEOUT_S`` or 60 s).
+        timeout_s: Deadline for the fetch, including waiting for a pending call (default
+            ``TENSORWIRE_TIMEOUT_S`` or 60 s for the transfer; no limit on the call).
 
     Raises:
         ObjectFreedError: The object was freed. OwnerDiedError: its owner exited.
@@ -161,6 +233,41 @@ def get(
     return _get_one(ref, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s)
 
 
+async def get_async(ref: Ref | list[Ref], **kwargs: Any) -> Any:
+    """``await``-able :func:`get` (``await ref`` calls it); runs on a thread pool."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_executor(), functools.partial(get, ref, **kwargs))
+
+
+def wait(refs: list[Ref], *, num_returns: int = 1, timeout_s: float | None = None) -> tuple[list[Ref], list[Ref]]:
+    """Wait until ``num_returns`` of ``refs`` can be fetched without waiting for their call.
+
+    Returns:
+        ``(ready, not_ready)``: at most ``num_returns`` ready references and the rest, each
+        in the order given. On timeout, fewer than ``num_returns`` may be ready.
+    """
+    refs = list(refs)
+    if not all(isinstance(r, Ref) for r in refs):
+        raise TypeError("tensorwire.wait expects a list of Refs")
+    if not 0 <= num_returns <= len(refs):
+        raise ValueError(f"num_returns={num_returns} must be between 0 and len(refs)={len(refs)}")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        ready_ids = {id(r) for r in refs if r.ready()}
+        if len(ready_ids) >= num_returns or (deadline is not None and time.monotonic() >= deadline):
+            break
+        waiting = [r._pending.object_ref for r in refs if id(r) not in ready_ids and r._pending is not None]
+        if waiting:
+            import ray
+
+            left = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
+            ray.wait(waiting, num_returns=1, timeout=left)
+        time.sleep(0.001)
+    ready = [r for r in refs if id(r) in ready_ids][:num_returns]
+    chosen = {id(r) for r in ready}
+    return ready, [r for r in refs if id(r) not in chosen]
+
+
 def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
@@ -173,13 +280,16 @@ def free(ref: Ref) -> None:
     """Free the object now, in its owner, whoever still holds references.
 
     Later fetches raise ``ObjectFreedError``. Freeing twice, or after the owner exited, is a
-    no-op.
+    no-op. A pending reference waits for its call first; a staged task result is left to
+    Ray's reference counting.
     """
     if not isinstance(ref, Ref):
         raise TypeError(f"tensorwire.free expects a Ref, got {type(ref).__name__}")
-    get_agent().free(ref._desc)
+    if ref.is_staged:
+        return
+    runtime_agent().free(ref._resolve().desc)
 
 
 def stats() -> dict[str, Any]:
     """This process's agent: objects owned and held, and transfers by transport."""
-    return get_agent().stats()
+    return runtime_agent().stats()

@@ -5,55 +5,118 @@ the value's non-tensor skeleton, and the handles of one-sided transports. It can
 (pickle or cloudpickle) and sent by any means; the bytes move only when someone calls
 :func:`tensorwire.get`.
 
-Lifetime: each live ``Ref`` object counts as a hold of its process on the object; pickling
-pins the object until the receiving process has registered (see
+A ``Ref`` is in one of three modes:
+
+* *direct*: made by :func:`tensorwire.put`, or resolved; it carries its :class:`RefState`.
+* *pending*: returned by a ``@tw.method`` call that may still be running; it wraps Ray's
+  ``ObjectRef`` of the state the method returns (:mod:`tensorwire.runtime.pending`).
+* *staged*: returned by a ``tw.remote`` task; the value itself sits in Ray's object store,
+  because a task's worker process may be reused or exit.
+
+Lifetime: each live direct ``Ref`` object counts as a hold of its process on the object;
+pickling pins the object until the receiving process has registered (see
 :mod:`tensorwire.transport.agent`).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from tensorwire.transport.agent import get_agent
+from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.base import ObjectDescriptor, TensorMeta
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Ref"]
+    from tensorwire.runtime.pending import Pending
+
+__all__ = ["Ref", "RefState"]
 
 _UNLOADED = object()
 
 
+class RefState(NamedTuple):
+    """Everything a reference carries; what a ``@tw.method`` returns through Ray."""
+
+    desc: ObjectDescriptor
+    skeleton_bytes: bytes
+    handles: dict[str, bytes]
+    pin_id: bytes  # the transit pin this copy travels under (b"" for none)
+    transport: str = ""  # default transport for consumers ("" = automatic)
+
+
 class Ref:
-    """A reference to a value held by its owner process. Create with :func:`tensorwire.put`."""
+    """A reference to a value held by its owner process. Create with :func:`tensorwire.put`
+    or by calling a ``@tw.method``; fetch with :func:`tensorwire.get` or ``await ref``."""
 
-    __slots__ = ("__weakref__", "_desc", "_handles", "_skeleton", "_skeleton_bytes")
+    __slots__ = ("__weakref__", "_pending", "_skeleton", "_state")
 
-    def __init__(
-        self,
-        desc: ObjectDescriptor,
-        skeleton_bytes: bytes,
-        handles: dict[str, bytes],
-        skeleton: Any = _UNLOADED,
-        *,
-        pin_id: bytes = b"",
-    ) -> None:
-        self._desc = desc
-        self._skeleton_bytes = skeleton_bytes
-        self._handles = handles
+    def __init__(self, state: RefState | None = None, skeleton: Any = _UNLOADED, *, pending: Pending | None = None):
+        self._state = state
         self._skeleton = skeleton
-        agent = get_agent()
-        agent.ref_attached(desc, pin_id or b"")
-        finalizer = weakref.finalize(self, agent.ref_detached, desc)
-        finalizer.atexit = False
+        self._pending = pending
+        if state is not None:
+            agent = runtime_agent()
+            agent.ref_attached(state.desc, state.pin_id)
+            finalizer = weakref.finalize(self, agent.ref_detached, state.desc)
+            finalizer.atexit = False
+
+    # ------------------------------------------------------------------ resolution
+
+    @property
+    def is_staged(self) -> bool:
+        """True for task results, which live in Ray's object store rather than with an owner."""
+        return self._pending is not None and self._pending.staged
+
+    def _resolve(self, timeout_s: float | None = None) -> RefState:
+        """The state, waiting for a pending call to finish (raises its error)."""
+        if self._state is not None:
+            return self._state
+        if self._pending is None or self._pending.staged:
+            raise TypeError("a staged task result has no tensorwire state; fetch it with tensorwire.get")
+        return self._pending.wait(timeout_s)
+
+    @property
+    def _desc(self) -> ObjectDescriptor:
+        return self._resolve().desc
+
+    @property
+    def _handles(self) -> dict[str, bytes]:
+        return self._resolve().handles
+
+    @property
+    def _skeleton_bytes(self) -> bytes:
+        return self._resolve().skeleton_bytes
+
+    @property
+    def default_transport(self) -> str:
+        """The transport the producer asked consumers to use ("" = automatic)."""
+        if self._state is not None:
+            return self._state.transport
+        return self._pending.transport if self._pending is not None else ""
+
+    def _load_skeleton(self) -> Any:
+        if self._skeleton is _UNLOADED:
+            import pickle
+
+            self._skeleton = pickle.loads(self._resolve().skeleton_bytes)
+        return self._skeleton
+
+    def ready(self) -> bool:
+        """Whether the value can be fetched now without waiting for a producing call."""
+        return self._state is not None or (self._pending is not None and self._pending.done())
+
+    def __await__(self) -> Any:
+        from tensorwire.runtime.api import get_async
+
+        return get_async(self).__await__()
 
     # ------------------------------------------------------------------ metadata, no fetch
 
     @property
     def object_id(self) -> str:
-        """The object's id as hex (never the capability token)."""
+        """The object's id as hex (never the capability token). Waits for a pending call."""
         return self._desc.object_id.hex()
 
     @property
@@ -98,26 +161,25 @@ class Ref:
     def device(self) -> str:
         return self._single("device").device
 
-    def _load_skeleton(self) -> Any:
-        if self._skeleton is _UNLOADED:
-            import pickle
-
-            self._skeleton = pickle.loads(self._skeleton_bytes)
-        return self._skeleton
-
     def __repr__(self) -> str:
-        return f"Ref(id={self.object_id[:12]}, tensors={self.num_tensors}, nbytes={self.nbytes})"
+        if self._state is None:
+            kind = "staged" if self.is_staged else "pending"
+            return f"Ref({kind}, done={self.ready()})"
+        desc = self._state.desc
+        return f"Ref(id={desc.object_id.hex()[:12]}, tensors={len(desc.metas)}, nbytes={desc.nbytes})"
 
     # ------------------------------------------------------------------ pickling
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        agent = get_agent()
-        handles = self._handles
-        if self._desc.owner.agent_id == agent.peer.agent_id:
-            handles = agent.export_handles(self._desc)
-        pin_id = agent.ref_pickled(self._desc)
-        return (_rebuild, (self._desc, self._skeleton_bytes, handles, pin_id))
-
-
-def _rebuild(desc: ObjectDescriptor, skeleton_bytes: bytes, handles: dict[str, bytes], pin_id: bytes) -> Ref:
-    return Ref(desc, skeleton_bytes, handles, pin_id=pin_id)
+        if self._state is None and self._pending is not None:
+            reduced = self._pending.reduce()
+            if reduced is not None:
+                return reduced
+            self._state = self._pending.wait(0)  # resolved meanwhile: travel as a direct ref
+        state = self._resolve()
+        agent = runtime_agent()
+        handles = state.handles
+        if state.desc.owner.agent_id == agent.peer.agent_id:
+            handles = agent.export_handles(state.desc)
+        pin_id = agent.ref_pickled(state.desc)
+        return (Ref, (state._replace(handles=handles, pin_id=pin_id),))

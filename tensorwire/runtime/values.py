@@ -21,7 +21,7 @@ import cloudpickle
 import numpy as np
 import torch
 
-__all__ = ["Slot", "dumps_skeleton", "flatten", "match_out", "unflatten"]
+__all__ = ["Slot", "dumps_skeleton", "flatten", "map_container", "match_out", "unflatten"]
 
 
 class Slot:
@@ -43,7 +43,7 @@ def _is_namedtuple(value: object) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
-def _map_container(value: Any, fn: Callable[[Any, str], Any], path: str) -> Any:
+def map_container(value: Any, fn: Callable[[Any, str], Any], path: str) -> Any:
     """``value`` with ``fn(child, child_path)`` applied to each child, or ``value`` itself if a leaf."""
     if isinstance(value, dict):
         new = copy.copy(value)
@@ -133,7 +133,7 @@ def flatten(value: Any) -> tuple[Any, list[torch.Tensor], list[bool]]:
             raise ValueError(f"value{path} refers back to a container that holds it (a reference cycle)")
         on_path.add(id(item))
         try:
-            return _map_container(item, visit, path)
+            return map_container(item, visit, path)
         finally:
             on_path.discard(id(item))
 
@@ -147,7 +147,7 @@ def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
     def visit(item: Any, path: str) -> Any:
         if isinstance(item, Slot):
             return leaves[item.index]
-        return _map_container(item, visit, path)
+        return map_container(item, visit, path)
 
     return visit(skeleton, "")
 

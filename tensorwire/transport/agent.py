@@ -372,14 +372,18 @@ class Agent(TransportContext):
     def ref_pickled(self, desc: ObjectDescriptor) -> bytes:
         """A reference is leaving this process: pin its object until the receiver registers."""
         pin_id = secrets.token_bytes(12)
+        self.announce_pin(desc, pin_id)
+        return pin_id
+
+    def announce_pin(self, desc: ObjectDescriptor, pin_id: bytes) -> None:
+        """Pin ``desc``'s object under ``pin_id`` (a reference travels under it)."""
         if desc.owner.agent_id == self._peer.agent_id:
             with self._lock:
                 entry = self._objects.get(desc.object_id)
                 if entry is not None:
-                    entry.pins[pin_id] = time.monotonic() + self.config.transit_ttl_s
+                    self._apply_holder_op(entry, HolderOpKind.PIN, self._peer.agent_id, pin_id, time.monotonic())
         else:
             self._send(desc.owner, HolderOpKind.PIN, desc.object_id, desc.token, pin_id)
-        return pin_id
 
     def ref_attached(self, desc: ObjectDescriptor, pin_id: bytes = b"") -> None:
         """A reference object was created in this process (by ``put``, or by unpickling with
@@ -390,8 +394,7 @@ class Agent(TransportContext):
                 if entry is None:
                     return
                 entry.local_refs += 1
-                if pin_id and entry.pins.pop(pin_id, None) is None:
-                    self._early_unpins[pin_id] = time.monotonic() + self.config.transit_ttl_s
+                self._apply_holder_op(entry, HolderOpKind.UNPIN, self._peer.agent_id, pin_id, time.monotonic())
             return
         with self._lock:
             held = self._held.get(desc.object_id)

@@ -85,8 +85,9 @@ class ShmTransport(Transport):
     def export(self, obj: StoredObject) -> bytes | None:
         """Producer: copy the object into a new segment; returns the segment's name.
 
-        Blocks for one copy of the object. Raises ``TransportUnavailableError`` when
-        ``/dev/shm`` has no room (the agent then leaves consumers to another transport).
+        Blocks for one copy of the object (``pwrite``: a full ``/dev/shm`` is an error, not
+        a SIGBUS). Raises ``TransportUnavailableError`` when ``/dev/shm`` has no room (the
+        agent then leaves consumers to another transport).
         """
         peer = self.context.peer
         name = f"{segment_prefix()}{peer.pid}-{peer.start_time}-{secrets.token_hex(16)}"
@@ -94,24 +95,19 @@ class ShmTransport(Transport):
         size = max(obj.packed_nbytes, 1)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            try:
-                os.posix_fallocate(fd, 0, size)  # fail now rather than SIGBUS on a full /dev/shm
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                    free_nbytes = _free_nbytes()
-                    raise TransportUnavailableError(
-                        f"{SHM_DIR} has no room for a {size}-byte segment ({free_nbytes} bytes free); "
-                        "enlarge it (e.g. docker --shm-size) or free objects"
-                    ) from e
-                raise
-            with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-                target = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
-                try:
-                    for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
-                        if meta.nbytes:
-                            target[meta.offset : meta.offset + meta.nbytes].copy_(byte_view(tensor))
-                finally:
-                    del target  # the mapping can close only once no view of it remains
+            os.ftruncate(fd, size)
+            for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
+                if meta.nbytes:
+                    _write_all(fd, memoryview(byte_view(tensor).numpy()), meta.offset)
+        except OSError as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise TransportUnavailableError(
+                    f"{SHM_DIR} has no room for a {size}-byte segment ({_free_nbytes()} bytes free); "
+                    "enlarge it (e.g. docker --shm-size) or free objects"
+                ) from e
+            raise
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -177,6 +173,16 @@ class ShmTransport(Transport):
             os.close(fd)
         buffer = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))  # keeps ``mm`` alive
         return [_tensor_at(buffer, meta) for meta in request.metas]
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write ``data`` at ``offset``. ``write`` (unlike stores into a mapping) reports a full
+    ``/dev/shm`` as ENOSPC instead of killing the process with SIGBUS, and it is the fastest
+    way to fill fresh tmpfs pages (about 2.5 GB/s vs 1.5 GB/s through a mapping here)."""
+    step = 64 << 20
+    written = 0
+    while written < len(data):
+        written += os.pwrite(fd, data[written : written + step], offset + written)
 
 
 def _tensor_at(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:

@@ -49,10 +49,10 @@ def test_segments_of_a_killed_producer_are_removed_by_the_next_agent():
 
 
 def test_full_dev_shm_falls_back_to_host_with_a_warning(agent, worker, monkeypatch):
-    def no_room(fd, offset, length):
+    def no_room(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shm.os, "posix_fallocate", no_room)
+    monkeypatch.setattr(shm.os, "pwrite", no_room)
     value = torch.randn(200_000)
     ref = tw.put(value)
     agent._warned.discard("export:shm")
@@ -63,7 +63,7 @@ def test_full_dev_shm_falls_back_to_host_with_a_warning(agent, worker, monkeypat
 
 
 def test_forced_shm_on_full_dev_shm_is_a_clear_error(agent, worker, monkeypatch):
-    monkeypatch.setattr(shm.os, "posix_fallocate", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    monkeypatch.setattr(shm.os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     ref = tw.put(torch.randn(200_000))
     with pytest.warns(RuntimeWarning):
         agent._warned.discard("export:shm")

@@ -1,0 +1,346 @@
+"""``tw.remote`` and ``tw.method``: Ray actors and tasks whose tensors travel by reference.
+
+``@tw.remote(**ray_options)`` on a class makes a Ray actor class whose every method first
+resolves :class:`~tensorwire.runtime.ref.Ref` arguments (top level, or nested in lists,
+tuples and dicts) into tensors on the actor's device, fetching several concurrently. A
+method marked ``@tw.method`` returns its value *by reference*: the tensors stay in the actor;
+the caller gets a pending ``Ref`` at once, and only metadata goes through Ray.
+
+On a function, ``@tw.remote`` makes a Ray task with the same argument resolution. A task's
+result is *staged* in Ray's object store: the worker process that ran the task may be reused
+or exit, so its tensors cannot stay with it. References the task created itself are
+materialized into the result for the same reason.
+
+Ray is imported only when an actor or task is created or called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tensorwire.runtime import values
+from tensorwire.runtime.pending import Pending
+from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.runtime.ref import Ref, RefState
+
+__all__ = ["ActorClass", "ActorHandle", "ActorMethod", "MethodOptions", "RemoteFunction", "method", "passthrough",
+           "remote"]  # fmt: skip
+
+_METHOD_ATTR = "__tensorwire_method__"
+_CALL_KWARG = "__tw_call__"
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """Options of a method, from ``@tw.method(...)`` (or defaults for plain methods).
+
+    Attributes:
+        by_ref: The method returns its value by reference (``@tw.method``).
+        transport: Default transport for consumers of the returned reference ("" = auto).
+        resolve: Resolve ``Ref`` arguments before the method runs.
+        snapshot: Copy the returned tensors, so later in-place changes in the actor do not
+            show in what consumers fetch.
+    """
+
+    by_ref: bool = False
+    transport: str = ""
+    resolve: bool = True
+    snapshot: bool = False
+
+
+_PLAIN = MethodOptions()
+
+
+def method(
+    fn: Callable[..., Any] | None = None, *, transport: str = "", resolve: bool = True, snapshot: bool = False
+) -> Any:
+    """Mark an actor method to return its value by reference (``@tw.method`` or ``@tw.method(...)``).
+
+    The returned tensors are kept by reference, like a Python object: if the actor changes
+    them in place before a consumer fetches, the consumer sees the change. Use
+    ``snapshot=True`` to hand out a copy taken when the method returns.
+    """
+    if not isinstance(transport, str):
+        raise TypeError(f"transport must be a transport name, got {type(transport).__name__}")
+    options = MethodOptions(by_ref=True, transport=transport, resolve=resolve, snapshot=snapshot)
+
+    def mark(target: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(target):
+            raise TypeError(f"@tw.method decorates methods, got {type(target).__name__}")
+        setattr(target, _METHOD_ATTR, options)
+        return target
+
+    return mark(fn) if fn is not None else mark
+
+
+class passthrough:
+    """Wrap an argument so that its ``Ref`` reaches the method unresolved."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: Ref) -> None:
+        if not isinstance(ref, Ref):
+            raise TypeError(f"tw.passthrough wraps a Ref, got {type(ref).__name__}")
+        self.ref = ref
+
+
+# ---------------------------------------------------------------------- inside the actor / task
+
+
+def _actor_device() -> Any:
+    """The device Ref arguments land on in this process: its first visible GPU, if Ray gave it one."""
+    import ray
+    import torch
+
+    if torch.cuda.is_available() and ray.get_gpu_ids():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict[str, Any], resolve: bool) -> Any:
+    """``args``/``kwargs`` with Refs replaced by their values (fetched concurrently)."""
+    from tensorwire.runtime.api import get
+
+    found: list[Ref] = []
+
+    def collect(item: Any, path: str) -> Any:
+        if isinstance(item, passthrough):
+            return item.ref
+        if isinstance(item, Ref):
+            if not resolve:
+                return item
+            found.append(item)
+            return values.Slot(len(found) - 1)
+        return values.map_container(item, collect, path)
+
+    skeleton = collect((args, kwargs), "")
+    if not found:
+        return skeleton
+    device = call.get("device") or _actor_device()
+    fetched = get(found, device=device, transport=call.get("transport", ""))
+    return values.unflatten(skeleton, fetched)
+
+
+def _publish(result: Any, options: MethodOptions) -> RefState:
+    """Producer: register the method's value and return the state that travels through Ray."""
+    from tensorwire.runtime.api import put
+
+    if options.snapshot:
+        skeleton, tensors, _ = values.flatten(result)
+        result = values.unflatten(skeleton, [t.clone() for t in tensors])
+    ref = put(result)
+    agent = runtime_agent()
+    state = ref._resolve()
+    handles = agent.export_handles(state.desc)
+    pin_id = agent.ref_pickled(state.desc)  # held until the caller registers
+    return RefState(state.desc, state.skeleton_bytes, handles, pin_id, options.transport)
+
+
+def _materialize(result: Any) -> Any:
+    """A task's result with references owned by this process replaced by their values."""
+    from tensorwire.runtime.api import get
+
+    me = runtime_agent().peer.agent_id
+
+    def visit(item: Any, path: str) -> Any:
+        if isinstance(item, Ref) and item._state is not None and item._state.desc.owner.agent_id == me:
+            return get(item)
+        return values.map_container(item, visit, path)
+
+    return visit(result, "")
+
+
+def _copy_identity(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> None:
+    """Give ``wrapper`` the name and doc of ``fn`` but not ``__wrapped__``: Ray must see the
+    wrapper's own signature (which takes the hidden call options), not the user's."""
+    for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(wrapper, attribute, getattr(fn, attribute, None))
+
+
+def _wrap_method(fn: Callable[..., Any], options: MethodOptions) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(fn):
+
+        async def async_wrapper(self: Any, *args: Any, __tw_call__: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+            loop = asyncio.get_running_loop()
+            call = __tw_call__ or {}
+            args, kwargs = await loop.run_in_executor(None, _resolve_arguments, args, kwargs, call, options.resolve)
+            result = await fn(self, *args, **kwargs)
+            if options.by_ref:
+                return await loop.run_in_executor(None, _publish, result, options)
+            return result
+
+        wrapper: Callable[..., Any] = async_wrapper
+    else:
+
+        def sync_wrapper(self: Any, *args: Any, __tw_call__: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+            args, kwargs = _resolve_arguments(args, kwargs, __tw_call__ or {}, options.resolve)
+            result = fn(self, *args, **kwargs)
+            return _publish(result, options) if options.by_ref else result
+
+        wrapper = sync_wrapper
+    _copy_identity(wrapper, fn)
+    for key, value in vars(fn).items():
+        if key.startswith("__ray"):
+            setattr(wrapper, key, value)  # keep @ray.method(...) options
+    return wrapper
+
+
+def _method_table(cls: type) -> dict[str, MethodOptions]:
+    table: dict[str, MethodOptions] = {}
+    for name in dir(cls):
+        if name.startswith("__"):
+            continue
+        static = inspect.getattr_static(cls, name)
+        if inspect.isfunction(static):
+            table[name] = getattr(static, _METHOD_ATTR, _PLAIN)
+    return table
+
+
+# ---------------------------------------------------------------------- in the caller
+
+
+def _ray_remote(target: Any, options: dict[str, Any]) -> Any:
+    import ray
+
+    return ray.remote(**options)(target) if options else ray.remote(target)
+
+
+def _call_options(transport: str | None, device: Any) -> dict[str, Any]:
+    call: dict[str, Any] = {}
+    if transport:
+        call["transport"] = transport
+    if device is not None:
+        call["device"] = str(device)
+    return call
+
+
+class ActorMethod:
+    """``handle.method``: call it with ``.remote(...)``; ``.options(transport=, device=, **ray)``."""
+
+    def __init__(
+        self, handle: Any, name: str, options: MethodOptions, call: dict[str, Any], ray_options: dict[str, Any]
+    ):
+        self._handle = handle
+        self._name = name
+        self._options = options
+        self._call = call
+        self._ray_options = ray_options
+
+    def options(self, *, transport: str | None = None, device: Any = None, **ray_options: Any) -> ActorMethod:
+        """Per-call options: ``transport``/``device`` for fetching this call's Ref arguments;
+        the rest goes to Ray's ``.options``."""
+        call = {**self._call, **_call_options(transport, device)}
+        return ActorMethod(self._handle, self._name, self._options, call, {**self._ray_options, **ray_options})
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the method. A ``@tw.method`` returns a pending :class:`Ref`; others a Ray ``ObjectRef``."""
+        if self._call:
+            kwargs[_CALL_KWARG] = self._call
+        ray_method = getattr(self._handle, self._name)
+        if self._ray_options:
+            ray_method = ray_method.options(**self._ray_options)
+        object_ref = ray_method.remote(*args, **kwargs)
+        if self._options.by_ref:
+            return Ref(pending=Pending(object_ref, transport=self._options.transport))
+        return object_ref
+
+
+class ActorHandle:
+    """A tensorwire actor. ``handle.method.remote(...)``; ``handle.ray_handle`` for Ray's API
+    (``ray.kill(handle.ray_handle)``). Picklable: pass it to other actors and tasks."""
+
+    def __init__(self, ray_handle: Any, methods: dict[str, MethodOptions]) -> None:
+        self.ray_handle = ray_handle
+        self._methods = methods
+
+    def __getattr__(self, name: str) -> ActorMethod:
+        methods = self.__dict__.get("_methods", {})
+        if name not in methods:
+            raise AttributeError(f"actor has no method {name!r}; methods: {sorted(methods)}")
+        return ActorMethod(self.ray_handle, name, methods[name], {}, {})
+
+    def __repr__(self) -> str:
+        return f"tw.ActorHandle({self.ray_handle!r})"
+
+
+class ActorClass:
+    """``@tw.remote`` on a class. ``.remote(*args)`` creates the actor; ``.options(**ray)``."""
+
+    def __init__(self, cls: type, options: dict[str, Any]) -> None:
+        self._cls = cls
+        self._options = options
+        self._methods = _method_table(cls)
+        namespace = {name: _wrap_method(getattr(cls, name), opts) for name, opts in self._methods.items()}
+        namespace["__module__"] = cls.__module__
+        namespace["__qualname__"] = cls.__qualname__
+        self._wrapped = type(cls.__name__, (cls,), namespace)
+        self._ray_class: Any = None
+        functools.update_wrapper(self, cls, updated=())
+
+    def options(self, **options: Any) -> ActorClass:
+        """A copy with more Ray actor options (``num_gpus``, ``max_concurrency``, ``name``...)."""
+        return ActorClass(self._cls, {**self._options, **options})
+
+    def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
+        if self._ray_class is None:
+            self._ray_class = _ray_remote(self._wrapped, self._options)
+        return ActorHandle(self._ray_class.remote(*args, **kwargs), self._methods)
+
+
+class RemoteFunction:
+    """``@tw.remote`` on a function: a Ray task whose result is staged in the object store."""
+
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any], call: dict[str, Any] | None = None):
+        self._fn = fn
+        self._options = options
+        self._call = call or {}
+        self._ray_function: Any = None
+        functools.update_wrapper(self, fn, updated=())
+
+    def options(self, *, transport: str | None = None, device: Any = None, **ray_options: Any) -> RemoteFunction:
+        return RemoteFunction(
+            self._fn, {**self._options, **ray_options}, {**self._call, **_call_options(transport, device)}
+        )
+
+    def _task(self) -> Any:
+        if self._ray_function is None:
+            fn = self._fn
+
+            def task(*args: Any, __tw_call__: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+                args, kwargs = _resolve_arguments(args, kwargs, __tw_call__ or {}, True)
+                return _materialize(fn(*args, **kwargs))
+
+            _copy_identity(task, fn)
+            self._ray_function = _ray_remote(task, self._options)
+        return self._ray_function
+
+    def remote(self, *args: Any, **kwargs: Any) -> Ref:
+        """Run the task; returns a staged :class:`Ref` to its result."""
+        if self._call:
+            kwargs[_CALL_KWARG] = self._call
+        return Ref(pending=Pending(self._task().remote(*args, **kwargs), staged=True))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"remote function {self._fn.__name__} must be called with .remote(...)")
+
+
+def remote(*args: Any, **options: Any) -> Any:
+    """``@tw.remote`` / ``@tw.remote(**ray_options)`` on a class (actor) or a function (task)."""
+    if args:
+        if len(args) != 1 or options or not callable(args[0]):
+            raise TypeError("use @tw.remote or @tw.remote(**ray_options) on a class or a function")
+        return _make(args[0], {})
+    return lambda target: _make(target, options)
+
+
+def _make(target: Any, options: dict[str, Any]) -> Any:
+    if inspect.isclass(target):
+        return ActorClass(target, options)
+    if callable(target):
+        return RemoteFunction(target, options)
+    raise TypeError(f"@tw.remote decorates classes and functions, got {type(target).__name__}")

@@ -1,0 +1,84 @@
+"""How a process inside a Ray cluster configures its agent (Ray's public API only).
+
+Before the agent of a Ray driver or worker starts, three settings come from Ray unless the
+user set them:
+
+* ``TENSORWIRE_NODE_ID``: Ray's node id, so "same node" means the same Ray node.
+* ``TENSORWIRE_HOST``: the Ray node's IP address, where the TCP control service binds.
+* ``TENSORWIRE_CLUSTER_TOKEN``: one random secret per Ray cluster, kept by a small named
+  actor (``tensorwire_cluster_token`` in namespace ``tensorwire``, zero CPUs) that the first
+  process to need it creates.
+
+Outside Ray (Ray not imported or not initialized) nothing happens.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensorwire.transport.agent import Agent
+
+__all__ = ["TOKEN_ACTOR_NAME", "TOKEN_NAMESPACE", "agent", "configure_process", "in_ray"]
+
+TOKEN_ACTOR_NAME = "tensorwire_cluster_token"
+TOKEN_NAMESPACE = "tensorwire"
+
+_lock = threading.Lock()
+_configured_pid = 0
+
+
+def in_ray() -> bool:
+    """Whether this process is a Ray driver or worker with Ray initialized (no import of Ray)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+class _TokenKeeper:
+    """Holds the cluster token (one per Ray cluster)."""
+
+    def __init__(self) -> None:
+        self._token = secrets.token_hex(32)
+
+    def token(self) -> str:
+        return self._token
+
+
+def _cluster_token(timeout_s: float = 60.0) -> str:
+    import ray
+
+    keeper_class = ray.remote(num_cpus=0, max_restarts=-1)(_TokenKeeper)
+    keeper = keeper_class.options(
+        name=TOKEN_ACTOR_NAME, namespace=TOKEN_NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote()
+    return ray.get(keeper.token.remote(), timeout=timeout_s)
+
+
+def configure_process() -> None:
+    """Set the agent's Ray-derived settings in this process's environment (once per process)."""
+    global _configured_pid
+    if _configured_pid == os.getpid() or not in_ray():
+        return
+    with _lock:
+        if _configured_pid == os.getpid():
+            return
+        import ray
+
+        context = ray.get_runtime_context()
+        os.environ.setdefault("TENSORWIRE_NODE_ID", context.get_node_id())
+        os.environ.setdefault("TENSORWIRE_HOST", ray.util.get_node_ip_address())
+        if not os.environ.get("TENSORWIRE_CLUSTER_TOKEN"):
+            os.environ["TENSORWIRE_CLUSTER_TOKEN"] = _cluster_token()
+        _configured_pid = os.getpid()
+
+
+def agent() -> Agent:
+    """This process's agent, configured from Ray first when running inside Ray."""
+    configure_process()
+    from tensorwire.transport.agent import get_agent
+
+    return get_agent()

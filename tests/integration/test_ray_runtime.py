@@ -1,0 +1,209 @@
+"""End-to-end on a local Ray instance: actors and tasks passing tensors by reference."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch
+
+import tensorwire as tw
+from tests.helpers.tasks import digest
+from tests.integration.actors import (
+    AsyncConsumer,
+    Consumer,
+    Producer,
+    make_state,
+    task_digest,
+    task_make,
+)
+
+
+@pytest.fixture(scope="module")
+def producer(ray_local):
+    return Producer.remote()
+
+
+@pytest.fixture(scope="module")
+def consumer(ray_local):
+    return Consumer.remote()
+
+
+def test_state_dict_by_reference_actor_to_actor(producer, consumer):
+    ref = producer.make.remote(16, 8 << 20, seed=1)
+    assert isinstance(ref, tw.Ref)
+    got, transport = ray.get(consumer.digest_and_transport.remote(ref))
+    assert got == digest(make_state(16, 8 << 20, seed=1))
+    assert transport == "shm"  # same node, host memory, above the inline limit
+    assert digest(tw.get(ref)) == got  # and in the driver
+
+
+def test_nested_values_and_refs_nested_in_arguments(producer, consumer):
+    ref = producer.nested.remote()
+    value = tw.get(ref)
+    assert value["n"] == 3 and value["a"][1][1] == "tag"
+    second = producer.tensor.remote(1000, fill=4)
+    kinds = ray.get(consumer.kinds.remote([ref], {"x": (second,)}))
+    assert kinds == ["list", "dict"]
+    got = ray.get(consumer.digest.remote({"first": ref, "more": [second, 5]}))
+    assert got == digest({"first": value, "more": [torch.full((1000,), 4, dtype=torch.uint8), 5]})
+
+
+def test_thousand_tensor_state_dict(producer, consumer):
+    ref = producer.make.remote(1000, 4 << 20, seed=2)
+    assert ray.get(consumer.digest.remote(ref)) == digest(make_state(1000, 4 << 20, seed=2))
+
+
+def test_tasks_consume_refs_and_stage_results(producer):
+    ref = producer.tensor.remote(300_000, fill=6)
+    assert ray.get(task_digest.remote(ref)._pending.object_ref) == digest(torch.full((300_000,), 6, dtype=torch.uint8))
+    staged = task_make.remote(100_000)
+    assert staged.is_staged
+    value = tw.get(staged)
+    assert torch.equal(value["inner"], torch.full((100_000,), 9, dtype=torch.uint8))
+    assert tw.get(task_digest.remote(staged)) == digest(value)
+
+
+def test_ref_passed_back_to_its_producer_is_the_same_tensor(producer):
+    ref = producer.make.remote(4, 1 << 20)
+    assert ray.get(producer.is_same_as_state.remote(ref)) is True
+
+
+def test_put_in_driver_and_get_in_a_plain_ray_actor(consumer):
+    @ray.remote(num_cpus=0)
+    class Plain:
+        def fetch(self, holder):
+            return digest(tw.get(holder["ref"]))
+
+    value = {"w": torch.randn(200_000)}
+    ref = tw.put(value)
+    plain = Plain.remote()
+    assert ray.get(plain.fetch.remote({"ref": ref})) == digest(value)
+
+
+def test_per_call_transport_option(producer, consumer):
+    ref = producer.tensor.remote(500_000)
+    got, transport = ray.get(consumer.digest_and_transport.options(transport="host").remote(ref))
+    assert transport == "host" and got == digest(torch.ones(500_000, dtype=torch.uint8))
+
+
+def test_wait_and_await(producer):
+    slow = producer.slow.remote(1.0, 10)
+    fast = tw.put(torch.ones(3))
+    ready, not_ready = tw.wait([slow, fast], num_returns=1, timeout_s=0.5)
+    assert ready == [fast] and not_ready == [slow]
+    ready, _ = tw.wait([slow, fast], num_returns=2, timeout_s=30)
+    assert len(ready) == 2
+
+    async def main():
+        return await slow
+
+    assert torch.equal(asyncio.run(main()), torch.ones(10, dtype=torch.uint8))
+
+
+def test_async_actor_resolves_and_produces(producer, ray_local):
+    actor = AsyncConsumer.remote()
+    ref = producer.tensor.remote(70_000, fill=2)
+    assert ray.get(actor.digest.remote(ref)) == digest(torch.full((70_000,), 2, dtype=torch.uint8))
+    produced = actor.produce.remote(50_000)
+    assert torch.equal(tw.get(produced), torch.full((50_000,), 3, dtype=torch.uint8))
+    assert ray.get(actor.await_ref.remote({"ref": tw.passthrough(produced)})) == digest(tw.get(produced))
+
+
+def test_concurrent_transfers_into_a_threaded_actor(producer, consumer):
+    refs = [producer.tensor.remote(2 << 20, fill=i) for i in range(6)]
+    results = ray.get([consumer.slow_digest.remote(r, 0.05) for r in refs])
+    assert results == [digest(torch.full((2 << 20,), i, dtype=torch.uint8)) for i in range(6)]
+
+
+def test_caller_drops_ref_before_consumers_resolve_it(producer):
+    """No premature free: the caller passes a pending ref to two actors and drops it at once."""
+    first, second = Consumer.remote(), Consumer.remote()
+    ref = producer.slow.remote(0.5, 400_000)
+    a = first.digest.remote(ref)
+    b = second.slow_digest.remote(ref, 1.0)
+    del ref
+    gc.collect()
+    expected = digest(torch.ones(400_000, dtype=torch.uint8))
+    assert ray.get([a, b]) == [expected, expected]
+
+
+def test_unresolved_refs_kept_by_a_consumer(producer, consumer):
+    ref = producer.tensor.remote(100_000, fill=8)
+    ray.get(consumer.keep_ref.remote(ref)._pending.object_ref)
+    del ref
+    gc.collect()
+    time.sleep(0.3)
+    assert ray.get(consumer.get_kept.remote()) == digest(torch.full((100_000,), 8, dtype=torch.uint8))
+
+
+def test_mutation_semantics_reference_and_snapshot(producer):
+    by_ref = producer.tensor.remote(1000, fill=1)
+    tw.get(by_ref)  # the call has returned
+    ray.get(producer.mutate_last.remote(7))
+    assert int(tw.get(by_ref, transport="host")[0]) == 7  # a reference, like a Python object
+    snap = producer.tensor_snapshot.remote(1000, fill=1)
+    tw.get(snap)
+    ray.get(producer.mutate_last.remote(9))
+    assert int(tw.get(snap, transport="host")[0]) == 1
+
+
+def test_producer_killed_mid_flight_and_consumer_stays_usable(consumer):
+    victim = Producer.remote()
+    pid = ray.get(victim.pid.remote())
+    ready = victim.tensor.remote(1 << 20)
+    tw.get(ready)
+    pending = victim.slow.remote(30, 10)
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(tw.OwnerDiedError):
+        tw.get(pending, timeout_s=30)
+    assert ray.get(consumer.fetch_error.remote({"ref": tw.passthrough(ready)})) == "OwnerDiedError"
+    with pytest.raises(tw.OwnerDiedError):  # resolving an argument fails in the caller
+        ray.get(consumer.digest.remote(ready))
+    assert time.monotonic() - start < 15
+    assert ray.get(consumer.digest.remote(torch.ones(2))) == digest(torch.ones(2))  # still usable
+
+
+def test_consumer_killed_releases_its_holds(producer):
+    before = ray.get(producer.owned.remote())
+    holder = Consumer.remote()
+    ref = producer.tensor.remote(200_000)
+    ray.get(holder.keep_ref.remote(ref)._pending.object_ref)
+    ray.get(holder.get_kept.remote())
+    del ref
+    gc.collect()
+    assert ray.get(producer.owned.remote()) > before
+    os.kill(ray.get(holder.pid.remote()), signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while ray.get(producer.owned.remote()) != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.get(producer.owned.remote()) == before
+
+
+def test_500_cycles_return_producer_memory_to_baseline(producer, consumer):
+    def cycles(n: int) -> None:
+        for i in range(n):
+            ref = producer.tensor.remote(256 * 1024, fill=i % 200)
+            assert ray.get(consumer.digest.remote(ref))
+            del ref
+
+    cycles(30)
+    ray.get(consumer.flush.remote())
+    gc.collect()
+    baseline_objects = ray.get(producer.owned.remote())
+    baseline_rss = ray.get(producer.rss_nbytes.remote())
+    cycles(500)
+    ray.get(consumer.flush.remote())
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while ray.get(producer.owned.remote()) > baseline_objects and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(producer.owned.remote()) <= baseline_objects
+    growth_mib = (ray.get(producer.rss_nbytes.remote()) - baseline_rss) / 2**20
+    assert growth_mib < 48, f"producer RSS grew {growth_mib:.1f} MiB over 500 cycles of 256 KiB"
