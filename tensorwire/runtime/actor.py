@@ -108,7 +108,7 @@ def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict
 
     found: list[Ref] = []
 
-    def collect(item: Any, path: str) -> Any:
+    def leaf(item: Any, _path: str) -> Any:
         if isinstance(item, passthrough):
             return item.ref
         if isinstance(item, Ref):
@@ -116,9 +116,9 @@ def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict
                 return item
             found.append(item)
             return values.Slot(len(found) - 1)
-        return values.map_container(item, collect, path)
+        return values.DESCEND
 
-    skeleton = collect((args, kwargs), "")
+    skeleton = values.transform((args, kwargs), leaf)
     if not found:
         return skeleton
     device = call.get("device") or _actor_device()
@@ -147,12 +147,12 @@ def _materialize(result: Any) -> Any:
 
     me = runtime_agent().peer.agent_id
 
-    def visit(item: Any, path: str) -> Any:
+    def leaf(item: Any, _path: str) -> Any:
         if isinstance(item, Ref) and item._state is not None and item._state.desc.owner.agent_id == me:
             return get(item)
-        return values.map_container(item, visit, path)
+        return values.DESCEND
 
-    return visit(result, "")
+    return values.transform(result, leaf)
 
 
 def _copy_identity(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> None:

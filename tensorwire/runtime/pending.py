@@ -32,18 +32,26 @@ __all__ = ["Pending"]
 
 logger = logging.getLogger(__name__)
 
-_completions: queue.Queue[tuple[Pending, Any]] = queue.Queue()
+_completions: queue.Queue[tuple[int, Any]] = queue.Queue()
 _resolver_lock = threading.Lock()
 _resolver_started = False
+# Pendings whose call has not finished, by id: kept alive here rather than by the future's
+# callback, which would close a reference cycle through Ray's ObjectRef that the garbage
+# collector cannot break (and the hold would never be released).
+_in_flight: dict[int, Pending] = {}
 
 
 def _resolver_loop() -> None:
     while True:
-        pending, future = _completions.get()
+        key, future = _completions.get()
+        with _resolver_lock:
+            pending = _in_flight.pop(key, None)
         try:
-            pending._complete(future)
+            if pending is not None:
+                pending._complete(future)
         except Exception:
             logger.warning("resolving a call's result failed", exc_info=True)
+        del pending, future  # do not keep the last call's hold alive until the next one
 
 
 def _start_resolver() -> None:
@@ -77,7 +85,10 @@ class Pending:
         self._lock = threading.Lock()
         if not staged:
             _start_resolver()
-            object_ref.future().add_done_callback(lambda future: _completions.put((self, future)))
+            key = id(self)
+            with _resolver_lock:
+                _in_flight[key] = self
+            object_ref.future().add_done_callback(lambda future: _completions.put((key, future)))
 
     def done(self) -> bool:
         if self.staged:

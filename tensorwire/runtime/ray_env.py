@@ -20,6 +20,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
+from tensorwire.transport.agent import add_startup_hook, get_agent
+
 if TYPE_CHECKING:
     from tensorwire.transport.agent import Agent
 
@@ -78,7 +80,7 @@ def configure_process() -> None:
 
 def agent() -> Agent:
     """This process's agent, configured from Ray first when running inside Ray."""
-    configure_process()
-    from tensorwire.transport.agent import get_agent
-
     return get_agent()
+
+
+add_startup_hook(configure_process)

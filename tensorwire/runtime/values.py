@@ -21,7 +21,7 @@ import cloudpickle
 import numpy as np
 import torch
 
-__all__ = ["Slot", "dumps_skeleton", "flatten", "map_container", "match_out", "unflatten"]
+__all__ = ["DESCEND", "Slot", "dumps_skeleton", "flatten", "map_container", "match_out", "transform", "unflatten"]
 
 
 class Slot:
@@ -103,6 +103,33 @@ def _as_tensor(value: Any, path: str) -> torch.Tensor:
     return tensor.contiguous()
 
 
+DESCEND = object()  # returned by a ``transform`` leaf function: "not a leaf, walk into it"
+
+
+def transform(value: Any, leaf: Callable[[Any, str], Any], path: str = "", _active: set[int] | None = None) -> Any:
+    """``value`` rebuilt with ``leaf(item, path)`` for every item where it does not return
+    :data:`DESCEND`; walked containers are rebuilt around the results.
+
+    Plain recursion rather than a recursive closure: a closure that calls itself is a
+    reference cycle, which would keep whatever it captured (tensors, references) alive
+    until the garbage collector runs.
+
+    Raises:
+        ValueError: The value contains a reference cycle.
+    """
+    result = leaf(value, path)
+    if result is not DESCEND:
+        return result
+    active = _active if _active is not None else set()
+    if id(value) in active:
+        raise ValueError(f"value{path} refers back to a container that holds it (a reference cycle)")
+    active.add(id(value))
+    try:
+        return map_container(value, lambda child, child_path: transform(child, leaf, child_path, active), path)
+    finally:
+        active.discard(id(value))
+
+
 def flatten(value: Any) -> tuple[Any, list[torch.Tensor], list[bool]]:
     """Split ``value`` into ``(skeleton, tensors, is_numpy)``.
 
@@ -115,41 +142,27 @@ def flatten(value: Any) -> tuple[Any, list[torch.Tensor], list[bool]]:
     """
     tensors: list[torch.Tensor] = []
     is_numpy: list[bool] = []
-    slots_by_id: dict[int, Slot] = {}
-    keep_alive: list[Any] = []  # ids stay unique while the originals live
-    on_path: set[int] = set()
+    slots_by_id: dict[int, tuple[Slot, Any]] = {}  # the original kept so that ids stay unique
 
-    def visit(item: Any, path: str) -> Any:
-        if isinstance(item, (torch.Tensor, np.ndarray)):
-            slot = slots_by_id.get(id(item))
-            if slot is None:
-                slot = Slot(len(tensors))
-                tensors.append(_as_tensor(item, path))
-                is_numpy.append(isinstance(item, np.ndarray))
-                slots_by_id[id(item)] = slot
-                keep_alive.append(item)
-            return slot
-        if id(item) in on_path:
-            raise ValueError(f"value{path} refers back to a container that holds it (a reference cycle)")
-        on_path.add(id(item))
-        try:
-            return map_container(item, visit, path)
-        finally:
-            on_path.discard(id(item))
+    def leaf(item: Any, path: str) -> Any:
+        if not isinstance(item, (torch.Tensor, np.ndarray)):
+            return DESCEND
+        known = slots_by_id.get(id(item))
+        if known is not None:
+            return known[0]
+        slot = Slot(len(tensors))
+        tensors.append(_as_tensor(item, path))
+        is_numpy.append(isinstance(item, np.ndarray))
+        slots_by_id[id(item)] = (slot, item)
+        return slot
 
-    skeleton = visit(value, "")
+    skeleton = transform(value, leaf)
     return skeleton, tensors, is_numpy
 
 
 def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
     """``skeleton`` with every :class:`Slot` replaced by its leaf."""
-
-    def visit(item: Any, path: str) -> Any:
-        if isinstance(item, Slot):
-            return leaves[item.index]
-        return map_container(item, visit, path)
-
-    return visit(skeleton, "")
+    return transform(skeleton, lambda item, _path: leaves[item.index] if isinstance(item, Slot) else DESCEND)
 
 
 def match_out(skeleton: Any, out: Any) -> dict[int, Any]:
@@ -159,31 +172,31 @@ def match_out(skeleton: Any, out: Any) -> dict[int, Any]:
         ValueError: ``out`` does not have the value's structure (the message names the path).
     """
     found: dict[int, Any] = {}
-
-    def visit(item: Any, target: Any, path: str) -> None:
-        if isinstance(item, Slot):
-            if not isinstance(target, (torch.Tensor, np.ndarray)):
-                raise ValueError(f"out{path}: expected a tensor to receive into, got {type(target).__name__}")
-            found.setdefault(item.index, target)
-            return
-        if isinstance(item, dict):
-            if not isinstance(target, dict):
-                raise ValueError(f"out{path}: expected a dict, got {type(target).__name__}")
-            for key, child in item.items():
-                if key not in target:
-                    raise ValueError(f"out{path}: missing key {key!r}")
-                visit(child, target[key], f"{path}[{key!r}]")
-        elif isinstance(item, (list, tuple)):
-            if not isinstance(target, (list, tuple)) or len(target) != len(item):
-                raise ValueError(f"out{path}: expected a sequence of length {len(item)}, got {type(target).__name__}")
-            for i, (child, sub) in enumerate(zip(item, target, strict=True)):
-                visit(child, sub, f"{path}[{i}]")
-        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            for f in dataclasses.fields(item):
-                visit(getattr(item, f.name), getattr(target, f.name, None), f"{path}.{f.name}")
-
-    visit(skeleton, out, "")
+    _match(skeleton, out, "", found)
     return found
+
+
+def _match(item: Any, target: Any, path: str, found: dict[int, Any]) -> None:
+    if isinstance(item, Slot):
+        if not isinstance(target, (torch.Tensor, np.ndarray)):
+            raise ValueError(f"out{path}: expected a tensor to receive into, got {type(target).__name__}")
+        found.setdefault(item.index, target)
+        return
+    if isinstance(item, dict):
+        if not isinstance(target, dict):
+            raise ValueError(f"out{path}: expected a dict, got {type(target).__name__}")
+        for key, child in item.items():
+            if key not in target:
+                raise ValueError(f"out{path}: missing key {key!r}")
+            _match(child, target[key], f"{path}[{key!r}]", found)
+    elif isinstance(item, (list, tuple)):
+        if not isinstance(target, (list, tuple)) or len(target) != len(item):
+            raise ValueError(f"out{path}: expected a sequence of length {len(item)}, got {type(target).__name__}")
+        for i, (child, sub) in enumerate(zip(item, target, strict=True)):
+            _match(child, sub, f"{path}[{i}]", found)
+    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+        for f in dataclasses.fields(item):
+            _match(getattr(item, f.name), getattr(target, f.name, None), f"{path}.{f.name}", found)
 
 
 class _HiddenTensorError(TypeError):

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -70,7 +70,7 @@ from tensorwire.transport.control import (
 )
 from tensorwire.transport.wire import HolderOpKind, ObjectState, decode_peer, encode_peer, messages
 
-__all__ = ["Agent", "TransferRecord", "get_agent", "shutdown_agent"]
+__all__ = ["Agent", "TransferRecord", "add_startup_hook", "get_agent", "shutdown_agent"]
 
 logger = logging.getLogger(__name__)
 
@@ -866,6 +866,13 @@ def _empty_host(meta: TensorMeta) -> torch.Tensor:
 
 _agent: Agent | None = None
 _agent_lock = threading.Lock()
+_startup_hooks: list[Callable[[], None]] = []
+
+
+def add_startup_hook(hook: Callable[[], None]) -> None:
+    """Run ``hook`` before this process's agent starts (the runtime sets Ray-derived settings)."""
+    if hook not in _startup_hooks:
+        _startup_hooks.append(hook)
 
 
 def get_agent() -> Agent:
@@ -874,6 +881,8 @@ def get_agent() -> Agent:
     agent = _agent
     if agent is not None and agent.pid == os.getpid():
         return agent
+    for hook in list(_startup_hooks):
+        hook()
     with _agent_lock:
         if _agent is None or _agent.pid != os.getpid():
             _agent = Agent()

@@ -80,10 +80,7 @@ def hold(ref: tw.Ref, name: str) -> int:
 
 
 def drop(name: str) -> None:
-    _kept.pop(name, None)
-    import gc
-
-    gc.collect()
+    _kept.pop(name, None)  # no gc.collect(): references must die by reference counting
     from tensorwire.transport.agent import get_agent
 
     get_agent().flush()

@@ -57,7 +57,6 @@ class Producer:
         return all(value[k].data_ptr() == v.data_ptr() for k, v in self.state.items())
 
     def owned(self) -> int:
-        gc.collect()
         from tensorwire.transport.agent import get_agent
 
         get_agent().flush()
@@ -112,7 +111,7 @@ class Consumer:
         return os.getpid()
 
     def flush(self) -> None:
-        gc.collect()
+        """Send queued holder messages (no garbage collection: references must die by refcount)."""
         from tensorwire.transport.agent import get_agent
 
         get_agent().flush()

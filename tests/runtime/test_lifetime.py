@@ -26,7 +26,7 @@ def wait_until(predicate, timeout_s: float = 10.0) -> bool:
 
 
 def owned(agent) -> int:
-    gc.collect()
+    """Objects owned now; no garbage collection, so a reference cycle would show as a leak."""
     return agent.owned_objects()
 
 

@@ -9,9 +9,10 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 import tensorwire as tw
-from tensorwire.runtime.ref import Ref
+from tensorwire.runtime.ref import Ref, RefState
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
@@ -84,7 +85,7 @@ def test_ref_freed_mid_transfer_is_complete_or_freed_never_partial(agent, worker
 def test_forged_token_is_denied(owner, transport):
     ref, _ = owner.call("tests.helpers.tasks:put_and_return", 1 << 20)
     forged_desc = replace(ref._desc, token=os.urandom(16))
-    forged = Ref(forged_desc, ref._skeleton_bytes, {})
+    forged = Ref(RefState(forged_desc, ref._skeleton_bytes, {}, b""))
     with pytest.raises(tw.PermissionDeniedError):
         tw.get(forged, transport=transport)
     got = tw.get(ref, transport=transport)  # the real reference still works
@@ -105,11 +106,11 @@ def test_stalled_owner_hits_the_deadline(owner):
 
 
 def test_unreachable_owner_is_peer_lost():
-    value = tw.put(os.urandom(1) and __import__("torch").ones(100_000))
+    value = tw.put(torch.ones(100_000))
     far_owner = replace(
         value._desc.owner, agent_id="far", machine_id="elsewhere", node_id="far-node", tcp_address="127.0.0.1:1"
     )
-    ref = Ref(replace(value._desc, owner=far_owner), value._skeleton_bytes, {})
+    ref = Ref(RefState(replace(value._desc, owner=far_owner), value._skeleton_bytes, {}, b""))
     start = time.monotonic()
     with pytest.raises(tw.PeerLostError):
         tw.get(ref, timeout_s=5)

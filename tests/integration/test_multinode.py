@@ -1,0 +1,94 @@
+"""Cross-node paths on one machine: a Ray cluster of two nodes (``ray.cluster_utils.Cluster``).
+
+Each Ray node has its own node id, so actors on different nodes see each other as remote and
+use the cross-node transports (TCP control service, ``host`` stream).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import ray
+import torch
+
+import tensorwire as tw
+from tests.helpers.tasks import digest
+from tests.integration.actors import Consumer, Producer, make_state
+from tests.integration.conftest import RAY_ENV
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    from tensorwire.runtime import ray_env
+    from tensorwire.transport.agent import shutdown_agent
+
+    saved = {k: os.environ.get(k) for k in RAY_ENV}
+    os.environ["TENSORWIRE_HOST"] = "127.0.0.1"
+    gc.collect()
+    shutdown_agent()
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"node_a": 10}, "include_dashboard": False},
+    )
+    second = c.add_node(num_cpus=1, resources={"node_b": 10})
+    tw.init(address=c.address)
+    c.wait_for_nodes()
+    yield c, second
+    gc.collect()
+    shutdown_agent()
+    ray.shutdown()
+    c.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    ray_env._configured_pid = 0
+
+
+def on(node: str):
+    return {"resources": {node: 1}}
+
+
+def test_actors_on_two_nodes_use_a_cross_node_transport(cluster):
+    producer = Producer.options(**on("node_b")).remote()
+    consumer = Consumer.options(**on("node_a")).remote()
+    node_b = ray.get(producer.node_id.remote())
+    assert node_b != tw.stats()["node_id"]
+    ref = producer.make.remote(64, 16 << 20, seed=5)
+    got, transport = ray.get(consumer.digest_and_transport.remote(ref))
+    assert got == digest(make_state(64, 16 << 20, seed=5))
+    assert transport == "host"
+    assert digest(tw.get(ref)) == got  # driver on the head node
+    assert tw.stats()["recent"][-1].transport == "host"
+
+
+def test_small_value_goes_inline_across_nodes(cluster):
+    producer = Producer.options(**on("node_b")).remote()
+    consumer = Consumer.options(**on("node_a")).remote()
+    ref = producer.tensor.remote(1000, fill=3)
+    got, transport = ray.get(consumer.digest_and_transport.remote(ref))
+    assert (got, transport) == (digest(torch.full((1000,), 3, dtype=torch.uint8)), "inline")
+
+
+def test_driver_put_fetched_on_the_other_node(cluster):
+    consumer = Consumer.options(**on("node_b")).remote()
+    value = {"w": torch.randn(300_000), "step": 7}
+    got, transport = ray.get(consumer.digest_and_transport.remote(tw.put(value)))
+    assert (got, transport) == (digest(value), "host")
+
+
+def test_node_removed_turns_into_owner_died(cluster):
+    c, _ = cluster
+    doomed = c.add_node(num_cpus=1, resources={"node_c": 10})
+    c.wait_for_nodes()
+    producer = Producer.options(**on("node_c")).remote()
+    ref = producer.tensor.remote(1 << 20)
+    tw.get(ref)
+    c.remove_node(doomed)
+    with pytest.raises((tw.OwnerDiedError, tw.PeerLostError)):
+        tw.get(ref, transport="host", timeout_s=20)
