@@ -33,6 +33,49 @@ __all__ = ["ActorClass", "ActorHandle", "ActorMethod", "MethodOptions", "RemoteF
 
 _METHOD_ATTR = "__tensorwire_method__"
 _CALL_KWARG = "__tw_call__"
+_LIFTED_PREFIX = "__tw_lifted_"
+
+
+class _Lifted:
+    """Stands in an argument for a pending reference whose Ray ``ObjectRef`` was lifted to a
+    top-level keyword argument, so that Ray waits for the producing call and delivers its
+    state with the call (no extra round trip in the callee)."""
+
+    __slots__ = ("index", "pin_id", "transport")
+
+    def __init__(self, index: int, pin_id: bytes, transport: str) -> None:
+        self.index, self.pin_id, self.transport = index, pin_id, transport
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Lifted, (self.index, self.pin_id, self.transport))
+
+
+def _lift_pending(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Caller: replace pending references in the arguments by :class:`_Lifted` markers and add
+    their ``ObjectRef``s as top-level keyword arguments (Ray resolves only top-level ones)."""
+    lifted: list[Any] = []
+
+    def leaf(item: Any, _path: str) -> Any:
+        if isinstance(item, passthrough):
+            wrapped = passthrough.__new__(passthrough)
+            wrapped.ref = leaf(item.ref, _path)  # may become a _Lifted marker
+            return wrapped
+        if not isinstance(item, Ref):
+            return values.DESCEND
+        pending = item._pending
+        if item._state is not None or pending is None or pending.staged:
+            return item
+        reduced = pending.reduce()  # a new transit pin, announced when this process resolves
+        if reduced is None:
+            return item  # resolved meanwhile: travels as a direct reference
+        object_ref, _staged, pin_id, transport = reduced[1]
+        lifted.append(object_ref)
+        return _Lifted(len(lifted) - 1, pin_id, transport)
+
+    new_args, new_kwargs = values.transform((args, kwargs), leaf)
+    for index, object_ref in enumerate(lifted):
+        new_kwargs[f"{_LIFTED_PREFIX}{index}"] = object_ref
+    return new_args, new_kwargs
 
 
 @dataclass(frozen=True)
@@ -106,11 +149,19 @@ def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict
     """``args``/``kwargs`` with Refs replaced by their values (fetched concurrently)."""
     from tensorwire.runtime.api import get
 
+    states = {int(k[len(_LIFTED_PREFIX) :]): kwargs.pop(k) for k in list(kwargs) if k.startswith(_LIFTED_PREFIX)}
     found: list[Ref] = []
+
+    def as_ref(item: Any) -> Any:
+        if not isinstance(item, _Lifted):
+            return item
+        state = states[item.index]  # Ray delivered the producing call's state with this call
+        return Ref(state._replace(pin_id=item.pin_id, transport=item.transport or state.transport))
 
     def leaf(item: Any, _path: str) -> Any:
         if isinstance(item, passthrough):
-            return item.ref
+            return as_ref(item.ref)
+        item = as_ref(item)
         if isinstance(item, Ref):
             if not resolve:
                 return item
@@ -137,7 +188,7 @@ def _publish(result: Any, options: MethodOptions) -> RefState:
     agent = runtime_agent()
     state = ref._resolve()
     handles = agent.export_handles(state.desc)
-    pin_id = agent.ref_pickled(state.desc)  # held until the caller registers
+    pin_id = b"" if "inline" in handles else agent.ref_pickled(state.desc)  # held until the caller registers
     return RefState(state.desc, state.skeleton_bytes, handles, pin_id, options.transport)
 
 
@@ -239,6 +290,7 @@ class ActorMethod:
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         """Call the method. A ``@tw.method`` returns a pending :class:`Ref`; others a Ray ``ObjectRef``."""
+        args, kwargs = _lift_pending(args, kwargs)
         if self._call:
             kwargs[_CALL_KWARG] = self._call
         ray_method = getattr(self._handle, self._name)
@@ -321,6 +373,7 @@ class RemoteFunction:
 
     def remote(self, *args: Any, **kwargs: Any) -> Ref:
         """Run the task; returns a staged :class:`Ref` to its result."""
+        args, kwargs = _lift_pending(args, kwargs)
         if self._call:
             kwargs[_CALL_KWARG] = self._call
         return Ref(pending=Pending(self._task().remote(*args, **kwargs), staged=True))

@@ -5,24 +5,28 @@ A ``@tw.method`` call returns at once; its result is a Ray ``ObjectRef`` of the
 object under the state's pin. In each process that holds a pending reference, one
 :class:`Pending` stands for all of that process's ``Ref`` objects of the call:
 
-* When the call finishes, a background thread resolves the state and registers this process
-  as a holder, consuming the state's pin (the caller) or the transit pin the reference
-  travelled under (any other process). The hold is released when the last ``Ref`` object of
-  the call in this process is gone.
-* Pickling a still-pending reference creates a new transit pin; it is announced to the owner
-  when this process resolves the call, before this process's own release, so a receiver is
-  covered even if the sender drops its reference at once.
+* When someone in this process needs the value, the state is taken from Ray and this process
+  registers as a holder, consuming the state's pin (the caller) or the transit pin the
+  reference travelled under (any other process). The hold is released when the last ``Ref``
+  object of the call in this process is gone.
+* Pickling a still-pending reference creates a new transit pin, announced to the owner when
+  this process settles the call, before its own release: a receiver is covered even if the
+  sender drops its reference at once.
+* A ``Pending`` dropped before anyone needed its value is settled in the background: its
+  queued transit pins are announced and its own pin is consumed, so nothing stays pinned.
 
-Task results (*staged*) need none of this: their value sits in Ray's object store.
+Values that travel inline need none of this (their bytes are in the state), and neither do
+*staged* task results, whose value sits in Ray's object store.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensorwire.errors import OwnerDiedError, TransferTimeoutError
@@ -32,34 +36,8 @@ __all__ = ["Pending"]
 
 logger = logging.getLogger(__name__)
 
-_completions: queue.Queue[tuple[int, Any]] = queue.Queue()
-_resolver_lock = threading.Lock()
-_resolver_started = False
-# Pendings whose call has not finished, by id: kept alive here rather than by the future's
-# callback, which would close a reference cycle through Ray's ObjectRef that the garbage
-# collector cannot break (and the hold would never be released).
-_in_flight: dict[int, Pending] = {}
-
-
-def _resolver_loop() -> None:
-    while True:
-        key, future = _completions.get()
-        with _resolver_lock:
-            pending = _in_flight.pop(key, None)
-        try:
-            if pending is not None:
-                pending._complete(future)
-        except Exception:
-            logger.warning("resolving a call's result failed", exc_info=True)
-        del pending, future  # do not keep the last call's hold alive until the next one
-
-
-def _start_resolver() -> None:
-    global _resolver_started
-    with _resolver_lock:
-        if not _resolver_started:
-            threading.Thread(target=_resolver_loop, name="tensorwire-resolver", daemon=True).start()
-            _resolver_started = True
+_orphans: ThreadPoolExecutor | None = None
+_orphans_lock = threading.Lock()
 
 
 def _map_ray_error(error: BaseException) -> BaseException:
@@ -70,6 +48,49 @@ def _map_ray_error(error: BaseException) -> BaseException:
     return error
 
 
+@dataclass
+class _Unsettled:
+    """What a dropped, unsettled ``Pending`` leaves for its background settlement."""
+
+    object_ref: Any
+    pin_id: bytes
+    queued_pins: list[bytes] = field(default_factory=list)
+    settled: bool = False
+
+
+def _announce(state: Any, box: _Unsettled) -> None:
+    agent = runtime_agent()
+    for pin_id in box.queued_pins:
+        agent.announce_pin(state.desc, pin_id)
+    box.queued_pins.clear()
+
+
+def _settle_orphan(box: _Unsettled) -> None:
+    """Finalizer of a ``Pending``: settle it in the background if nobody did."""
+    global _orphans
+    if box.settled:
+        return
+    with _orphans_lock:
+        if _orphans is None:
+            _orphans = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tensorwire-orphans")
+    _orphans.submit(_settle_orphan_now, box)
+
+
+def _settle_orphan_now(box: _Unsettled) -> None:
+    import ray
+
+    try:
+        state = ray.get(box.object_ref)
+    except Exception:  # noqa: BLE001 - the call failed: it pinned nothing
+        return
+    try:
+        if not state.travels_inline:
+            _announce(state, box)
+            runtime_agent().consume_pin(state.desc, box.pin_id or state.pin_id)
+    except Exception:
+        logger.warning("releasing an unused call result failed", exc_info=True)
+
+
 class Pending:
     """One process's view of a pending ``@tw.method`` call (or a staged task result)."""
 
@@ -77,50 +98,53 @@ class Pending:
         self.object_ref = object_ref
         self.staged = staged
         self.transport = transport
-        self._pin_id = pin_id  # consumed by this process's registration; b"": the state's own pin
-        self._queued_pins: list[bytes] = []
+        self._box = _Unsettled(object_ref, pin_id)
         self._state: Any = None
         self._error: BaseException | None = None
-        self._done = threading.Event()
         self._lock = threading.Lock()
         if not staged:
-            _start_resolver()
-            key = id(self)
-            with _resolver_lock:
-                _in_flight[key] = self
-            object_ref.future().add_done_callback(lambda future: _completions.put((key, future)))
+            weakref.finalize(self, _settle_orphan, self._box).atexit = False
 
     def done(self) -> bool:
-        if self.staged:
-            import ray
+        """Whether the call has finished (its value can be fetched without waiting for it)."""
+        if self._box.settled:
+            return True
+        import ray
 
-            ready, _ = ray.wait([self.object_ref], timeout=0)
-            return bool(ready)
-        return self._done.is_set()
+        ready, _ = ray.wait([self.object_ref], timeout=0)
+        return bool(ready)
 
-    def _complete(self, future: Any) -> None:
-        """Resolver thread: take the call's state and register this process as a holder."""
-        try:
-            state = future.result()
-        except BaseException as e:  # noqa: BLE001 - kept and raised to whoever fetches
-            self._error = _map_ray_error(e)
-            self._done.set()
-            return
-        agent = runtime_agent()
+    def _settle(self, state: Any, error: BaseException | None) -> None:
+        """Record the call's state (once) and register this process as a holder of its object."""
         with self._lock:
-            for pin_id in self._queued_pins:
-                agent.announce_pin(state.desc, pin_id)
-            self._queued_pins.clear()
-            agent.ref_attached(state.desc, self._pin_id or state.pin_id)
-            finalizer = weakref.finalize(self, agent.ref_detached, state.desc)
-            finalizer.atexit = False
-            self._state = state._replace(pin_id=b"", transport=self.transport or state.transport)
-            self._done.set()
+            box = self._box
+            if box.settled:
+                return
+            if error is not None:
+                self._error = _map_ray_error(error)
+            elif not state.travels_inline:
+                _announce(state, box)
+                agent = runtime_agent()
+                agent.ref_attached(state.desc, box.pin_id or state.pin_id)
+                weakref.finalize(self, agent.ref_detached, state.desc).atexit = False
+            if state is not None:
+                self._state = state._replace(pin_id=b"", transport=self.transport or state.transport)
+            box.queued_pins.clear()
+            box.settled = True
 
     def wait(self, timeout_s: float | None) -> Any:
         """The resolved state; raises the call's error, or ``TransferTimeoutError``."""
-        if not self._done.wait(timeout_s):
-            raise TransferTimeoutError(f"the producing call has not finished within {timeout_s} s")
+        if not self._box.settled:
+            import ray
+
+            try:
+                state = ray.get(self.object_ref, timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise TransferTimeoutError(f"the producing call has not finished within {timeout_s} s") from None
+            except Exception as e:  # noqa: BLE001 - recorded, then raised below
+                self._settle(None, e)
+            else:
+                self._settle(state, None)
         if self._error is not None:
             raise self._error
         return self._state
@@ -137,15 +161,15 @@ class Pending:
             raise _map_ray_error(e) from e
 
     def reduce(self) -> tuple[Any, tuple[Any, ...]] | None:
-        """How a reference of this call pickles while pending; None once resolved."""
+        """How a reference of this call pickles while pending; None once settled successfully."""
         if self.staged:
             return (_rebuild, (self.object_ref, True, b"", self.transport))
         with self._lock:
-            if self._done.is_set() and self._error is None:
+            if self._box.settled and self._error is None:
                 return None
             pin_id = secrets.token_bytes(12)
-            if not self._done.is_set():
-                self._queued_pins.append(pin_id)
+            if not self._box.settled:
+                self._box.queued_pins.append(pin_id)
             return (_rebuild, (self.object_ref, False, pin_id, self.transport))
 
 

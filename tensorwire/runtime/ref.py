@@ -45,6 +45,11 @@ class RefState(NamedTuple):
     pin_id: bytes  # the transit pin this copy travels under (b"" for none)
     transport: str = ""  # default transport for consumers ("" = automatic)
 
+    @property
+    def travels_inline(self) -> bool:
+        """The bytes travel inside the state, so no process needs to hold the owner's copy."""
+        return "inline" in self.handles
+
 
 class Ref:
     """A reference to a value held by its owner process. Create with :func:`tensorwire.put`
@@ -58,6 +63,8 @@ class Ref:
         self._pending = pending
         if state is not None:
             agent = runtime_agent()
+            if state.travels_inline and state.desc.owner.agent_id != agent.peer.agent_id:
+                return  # the bytes are in the state: nothing to hold at the owner
             agent.ref_attached(state.desc, state.pin_id)
             finalizer = weakref.finalize(self, agent.ref_detached, state.desc)
             finalizer.atexit = False
@@ -181,5 +188,5 @@ class Ref:
         handles = state.handles
         if state.desc.owner.agent_id == agent.peer.agent_id:
             handles = agent.export_handles(state.desc)
-        pin_id = agent.ref_pickled(state.desc)
+        pin_id = b"" if "inline" in handles else agent.ref_pickled(state.desc)
         return (Ref, (state._replace(handles=handles, pin_id=pin_id),))

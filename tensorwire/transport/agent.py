@@ -385,6 +385,20 @@ class Agent(TransportContext):
         else:
             self._send(desc.owner, HolderOpKind.PIN, desc.object_id, desc.token, pin_id)
 
+    def consume_pin(self, desc: ObjectDescriptor, pin_id: bytes) -> None:
+        """Drop the transit pin ``pin_id`` without registering as a holder (nobody received it)."""
+        if desc.owner.agent_id != self._peer.agent_id:
+            self._send(desc.owner, HolderOpKind.UNPIN, desc.object_id, desc.token, pin_id)
+            return
+        with self._lock:
+            entry = self._objects.get(desc.object_id)
+            if entry is None:
+                return
+            self._apply_holder_op(entry, HolderOpKind.UNPIN, self._peer.agent_id, pin_id, time.monotonic())
+            free = entry.local_refs <= 0 and not entry.holders and not entry.pins
+        if free:
+            self._free(entry)
+
     def ref_attached(self, desc: ObjectDescriptor, pin_id: bytes = b"") -> None:
         """A reference object was created in this process (by ``put``, or by unpickling with
         the ``pin_id`` it travelled under): count it, register as holder, consume the pin."""

@@ -143,11 +143,15 @@ def test_unresolved_refs_kept_by_a_consumer(producer, consumer):
 
 
 def test_mutation_semantics_reference_and_snapshot(producer):
-    by_ref = producer.tensor.remote(1000, fill=1)
+    small = producer.tensor.remote(1000, fill=1)  # inline: copied into the reference at return
+    tw.get(small)
+    ray.get(producer.mutate_last.remote(5))
+    assert int(tw.get(small)[0]) == 1
+    by_ref = producer.tensor.remote(100_000, fill=1)
     tw.get(by_ref)  # the call has returned
     ray.get(producer.mutate_last.remote(7))
     assert int(tw.get(by_ref, transport="host")[0]) == 7  # a reference, like a Python object
-    snap = producer.tensor_snapshot.remote(1000, fill=1)
+    snap = producer.tensor_snapshot.remote(100_000, fill=1)
     tw.get(snap)
     ray.get(producer.mutate_last.remote(9))
     assert int(tw.get(snap, transport="host")[0]) == 1
@@ -207,3 +211,14 @@ def test_500_cycles_return_producer_memory_to_baseline(producer, consumer):
     assert ray.get(producer.owned.remote()) <= baseline_objects
     growth_mib = (ray.get(producer.rss_nbytes.remote()) - baseline_rss) / 2**20
     assert growth_mib < 48, f"producer RSS grew {growth_mib:.1f} MiB over 500 cycles of 256 KiB"
+
+
+def test_result_dropped_unused_is_released(producer):
+    """A @tw.method result nobody fetched or passed on must not stay pinned in the producer."""
+    before = ray.get(producer.owned.remote())
+    ref = producer.tensor.remote(300_000)
+    del ref
+    deadline = time.monotonic() + 15
+    while ray.get(producer.owned.remote()) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(producer.owned.remote()) == before
