@@ -1,7 +1,7 @@
 """Actor to actor, end to end, same run: tensorwire vs Ray's direct transport (gloo) vs Ray's
 object store. Each producer holds its value ready; a round is "call the producer, pass its
-result to the consumer, consumer has the tensors". Also a plain two-call chain carrying
-nothing, as the latency floor.
+result to the consumer, the consumer copies the tensors into its own buffers" (what loading
+weights does). Also a plain two-call chain carrying nothing, as the latency floor.
 
 Run: ``python -m benchmarks.ray_compare`` (about a minute on a 2-core VM).
 """
@@ -35,6 +35,25 @@ def nbytes_of(value) -> int:
     return 0 if value is None else value.numel() * value.element_size()
 
 
+class Sink:
+    """What a consumer does with received weights: copy them into its own buffers."""
+
+    def __init__(self) -> None:
+        self.buffers = None
+
+    def take(self, value) -> int:
+        if value is None:
+            return 0
+        tensors = list(value.values()) if isinstance(value, dict) else [value]
+        if self.buffers is None or [b.shape for b in self.buffers] != [t.shape for t in tensors]:
+            self.buffers = [torch.empty_like(t) for t in tensors]
+            for b in self.buffers:
+                b.zero_()  # fault the buffers in once, as a model's parameters are
+        for b, t in zip(self.buffers, tensors, strict=True):
+            b.copy_(t)
+        return nbytes_of(value)
+
+
 @tw.remote(num_cpus=0)
 class TwProducer:
     def __init__(self) -> None:
@@ -49,9 +68,8 @@ class TwProducer:
 
 
 @tw.remote(num_cpus=0)
-class TwConsumer:
-    def take(self, value) -> int:
-        return nbytes_of(value)
+class TwConsumer(Sink):
+    pass
 
 
 @ray.remote(num_cpus=0)
@@ -74,19 +92,27 @@ class RayProducer:
 
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True)  # receives RDT objects (ray issue #66264)
-class RayConsumer:
-    def take(self, value) -> int:
-        return nbytes_of(value)
+class RayConsumer(Sink):
+    pass
 
 
 def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return interleaved([fn], repeats)[0]
+
+
+def interleaved(fns, repeats: int) -> list[float]:
+    """Median seconds of each function, run in rotating order so that noise on this shared
+    2-core machine falls on all of them alike."""
+    for fn in fns:
+        fn()  # warm-up
+    samples: list[list[float]] = [[] for _ in fns]
+    for r in range(repeats):
+        for k in range(len(fns)):
+            i = (r + k) % len(fns)
+            start = time.perf_counter()
+            fns[i]()
+            samples[i].append(time.perf_counter() - start)
+    return [statistics.median(s) for s in samples]
 
 
 def main() -> None:
@@ -96,8 +122,8 @@ def main() -> None:
     twp, twc = TwProducer.remote(), TwConsumer.remote()
     rp, rc = RayProducer.remote(), RayConsumer.remote()
     create_collective_group([rp, rc], backend="torch_gloo")
-    cases = [("tensor", 4096, 50), ("tensor", 64 * MIB, 5), ("tensor", 256 * MIB, 3), ("state_dict", 64 * MIB, 5)]
-    floor = timed(lambda: ray.get(rc.take.remote(rp.nothing.remote())), 50)
+    cases = [("tensor", 4096, 200), ("tensor", 64 * MIB, 10), ("tensor", 256 * MIB, 5), ("state_dict", 64 * MIB, 10)]
+    floor = timed(lambda: ray.get(rc.take.remote(rp.nothing.remote())), 200)
     print(f"plain Ray chain carrying nothing (producer call -> consumer call): {floor * 1e3:.2f} ms")
     header = f"{'value':>24} {'tensorwire':>12} {'ray rdt gloo':>13} {'object store':>13} {'tw vs best':>11}"
     print(header)
@@ -113,12 +139,16 @@ def main() -> None:
         def run_store(nbytes: int = nbytes) -> None:
             assert ray.get(rc.take.remote(rp.value_plain.remote())) == nbytes
 
-        t_tw, t_rdt, t_store = timed(run_tw, repeats), timed(run_rdt, repeats), timed(run_store, repeats)
+        t_tw, t_rdt, t_store = interleaved([run_tw, run_rdt, run_store], repeats)
         label = f"{kind} {nbytes / MIB:g} MiB" if nbytes >= MIB else f"{kind} {nbytes // 1024} KiB"
         best = min(t_rdt, t_store)
         print(f"{label:>24} {t_tw * 1e3:10.2f}ms {t_rdt * 1e3:11.2f}ms {t_store * 1e3:11.2f}ms {best / t_tw:10.2f}x")
         if nbytes == 4096:
-            print(f"{'':>24} small-transfer latency: tensorwire {t_tw / floor:.2f}x the plain chain")
+            floor = timed(lambda: ray.get(rc.take.remote(rp.nothing.remote())), repeats)
+            print(
+                f"{'':>24} small-transfer latency: tensorwire {t_tw / floor:.2f}x the plain chain "
+                f"({floor * 1e3:.2f} ms, measured again now)"
+            )
     ray.shutdown()
 
 

@@ -155,7 +155,7 @@ def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict
     def as_ref(item: Any) -> Any:
         if not isinstance(item, _Lifted):
             return item
-        state = states[item.index]  # Ray delivered the producing call's state with this call
+        state = RefState.from_bytes(states[item.index])  # Ray delivered the call's state with this call
         return Ref(state._replace(pin_id=item.pin_id, transport=item.transport or state.transport))
 
     def leaf(item: Any, _path: str) -> Any:
@@ -173,11 +173,14 @@ def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict
     if not found:
         return skeleton
     device = call.get("device") or _actor_device()
-    fetched = get(found, device=device, transport=call.get("transport", ""))
+    # Arguments are inputs the method consumes (often copying them into its own parameters),
+    # so same-node values arrive as copy-on-write mappings of the producer's shared memory:
+    # private like a copy, but no bytes move until the method reads them.
+    fetched = get(found, device=device, transport=call.get("transport", ""), view=True)
     return values.unflatten(skeleton, fetched)
 
 
-def _publish(result: Any, options: MethodOptions) -> RefState:
+def _publish(result: Any, options: MethodOptions) -> bytes:
     """Producer: register the method's value and return the state that travels through Ray."""
     from tensorwire.runtime.api import put
 
@@ -189,7 +192,7 @@ def _publish(result: Any, options: MethodOptions) -> RefState:
     state = ref._resolve()
     handles = agent.export_handles(state.desc)
     pin_id = b"" if "inline" in handles else agent.ref_pickled(state.desc)  # held until the caller registers
-    return RefState(state.desc, state.skeleton_bytes, handles, pin_id, options.transport)
+    return RefState(state.desc, state.skeleton_bytes, handles, pin_id, options.transport).to_bytes()
 
 
 def _materialize(result: Any) -> Any:

@@ -48,6 +48,12 @@ def _map_ray_error(error: BaseException) -> BaseException:
     return error
 
 
+def _state_of(value: bytes) -> Any:
+    from tensorwire.runtime.ref import RefState
+
+    return RefState.from_bytes(value)
+
+
 @dataclass
 class _Unsettled:
     """What a dropped, unsettled ``Pending`` leaves for its background settlement."""
@@ -80,7 +86,7 @@ def _settle_orphan_now(box: _Unsettled) -> None:
     import ray
 
     try:
-        state = ray.get(box.object_ref)
+        state = _state_of(ray.get(box.object_ref))
     except Exception:  # noqa: BLE001 - the call failed: it pinned nothing
         return
     try:
@@ -138,7 +144,7 @@ class Pending:
             import ray
 
             try:
-                state = ray.get(self.object_ref, timeout=timeout_s)
+                state = _state_of(ray.get(self.object_ref, timeout=timeout_s))
             except ray.exceptions.GetTimeoutError:
                 raise TransferTimeoutError(f"the producing call has not finished within {timeout_s} s") from None
             except Exception as e:  # noqa: BLE001 - recorded, then raised below

@@ -1,0 +1,37 @@
+"""The examples run as users run them (separate processes, their own Ray instance)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run_example(name: str) -> str:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TENSORWIRE_HOST": "127.0.0.1"}
+    for key in ("TENSORWIRE_NODE_ID", "TENSORWIRE_CLUSTER_TOKEN", "RAY_ADDRESS"):
+        env.pop(key, None)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_quickstart():
+    out = run_example("quickstart.py")
+    assert "checksum trainer" in out and ": OK" in out
+    assert "transport: shm" in out
+
+
+def test_standalone():
+    out = run_example("standalone.py")
+    assert "via shm" in out and "sum matches" in out
