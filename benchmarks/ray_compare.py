@@ -54,14 +54,18 @@ class Sink:
         return nbytes_of(value)
 
 
-@tw.remote(num_cpus=0)
-class TwProducer:
+class Source:
+    """A producer holding its value ready, so that rounds time the hand-over only."""
+
     def __init__(self) -> None:
         self.value = None
 
     def set(self, kind: str, nbytes: int) -> None:
         self.value = make_value(kind, nbytes)
 
+
+@tw.remote(num_cpus=0)
+class TwProducer(Source):
     @tw.method
     def value_ref(self):
         return self.value
@@ -73,13 +77,7 @@ class TwConsumer(Sink):
 
 
 @ray.remote(num_cpus=0)
-class RayProducer:
-    def __init__(self) -> None:
-        self.value = None
-
-    def set(self, kind: str, nbytes: int) -> None:
-        self.value = make_value(kind, nbytes)
-
+class RayProducer(Source):
     def value_plain(self):
         return self.value
 

@@ -616,6 +616,15 @@ class Agent(TransportContext):
             "freed long ago, or the reference was forged"
         )
 
+    def _lookup_for_peer(self, request: Any) -> _Entry:
+        """``_lookup`` for a control-service request: errors become gRPC statuses."""
+        try:
+            return self._lookup(request.object_id, request.token)
+        except ObjectFreedError as e:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, str(e)) from None
+        except PermissionDeniedError as e:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+
     @staticmethod
     def _check_token(expected: bytes, given: bytes) -> None:
         if not hmac.compare_digest(expected, given):
@@ -642,12 +651,7 @@ class Agent(TransportContext):
         return messages["StatusReply"](state=int(ObjectState.FREED))
 
     def handle_export(self, request: Any) -> Any:
-        try:
-            entry = self._lookup(request.object_id, request.token)
-        except ObjectFreedError as e:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, str(e)) from None
-        except PermissionDeniedError as e:
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+        entry = self._lookup_for_peer(request)
         return messages["ExportReply"](handle=self._export_on_request(entry, request.transport))
 
     def request_export(self, request: FetchRequest, transport: str) -> bytes:
@@ -666,12 +670,7 @@ class Agent(TransportContext):
         return reply.handle
 
     def handle_transfer(self, request: Any) -> Iterator[bytes]:
-        try:
-            entry = self._lookup(request.object_id, request.token)
-        except ObjectFreedError as e:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, str(e)) from None
-        except PermissionDeniedError as e:
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+        entry = self._lookup_for_peer(request)
         transport = self._transports.get(request.transport)
         if transport is None or transport.capabilities.one_sided:
             raise RequestError(

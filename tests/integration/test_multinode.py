@@ -7,7 +7,6 @@ use the cross-node transports (TCP control service, ``host`` stream).
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import ray
@@ -16,38 +15,27 @@ import torch
 import tensorwire as tw
 from tests.helpers.tasks import digest
 from tests.integration.actors import Consumer, Producer, make_state
-from tests.integration.conftest import RAY_ENV
+from tests.integration.conftest import ray_session
 
 
 @pytest.fixture(scope="module")
 def cluster():
     from ray.cluster_utils import Cluster
 
-    from tensorwire.runtime import ray_env
-    from tensorwire.transport.agent import shutdown_agent
-
-    saved = {k: os.environ.get(k) for k in RAY_ENV}
-    os.environ["TENSORWIRE_HOST"] = "127.0.0.1"
-    gc.collect()
-    shutdown_agent()
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {"node_a": 10}, "include_dashboard": False},
-    )
-    second = c.add_node(num_cpus=1, resources={"node_b": 10})
-    tw.init(address=c.address)
-    c.wait_for_nodes()
-    yield c, second
-    gc.collect()
-    shutdown_agent()
-    ray.shutdown()
-    c.shutdown()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    ray_env._configured_pid = 0
+    with ray_session():
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "resources": {"node_a": 10}, "include_dashboard": False},
+        )
+        try:
+            second = c.add_node(num_cpus=1, resources={"node_b": 10})
+            tw.init(address=c.address)
+            c.wait_for_nodes()
+            yield c, second
+        finally:
+            gc.collect()
+            ray.shutdown()
+            c.shutdown()
 
 
 def on(node: str):
