@@ -132,6 +132,7 @@ class Agent(TransportContext):
         self._outbox_pending = 0
         self._outbox_idle = threading.Condition()
         self._closed = threading.Event()
+        self._serving_now = 0
         self.pid = os.getpid()
 
         token = cluster_token()
@@ -301,19 +302,9 @@ class Agent(TransportContext):
             return
         request = messages["ObjectRequest"](object_id=desc.object_id, token=desc.token)
         try:
-            self._client.call(
-                self._address(desc.owner),
-                "Free",
-                request,
-                "StatusReply",
-                timeout_s=timeout_s or self.config.rpc_timeout_s,
-            )
-        except grpc.RpcError as e:
-            error = map_rpc_error(e, f"free of object {desc.object_id.hex()}")
-            if isinstance(error, (PeerLostError, ObjectFreedError)):
-                logger.debug("free: %s", error)
-                return
-            raise error from None
+            self._ask(desc.owner, "Free", request, "StatusReply", timeout_s=timeout_s or self.config.rpc_timeout_s)
+        except (PeerLostError, OwnerDiedError, ObjectFreedError) as e:
+            logger.debug("free of object %s: %s", desc.object_id.hex(), e)
 
     def _free(self, entry: _Entry) -> None:
         stored = entry.stored
@@ -560,7 +551,8 @@ class Agent(TransportContext):
         dead = {agent_id for agent_id, peer in peers.items() if not self._holder_alive(peer, now)}
         to_free = []
         with self._lock:
-            for agent_id in dead:
+            holding = set().union(*(e.holders for e in self._objects.values()))
+            for agent_id in dead | (set(self._holder_peers) - holding):  # exited, or holds nothing now
                 self._holder_peers.pop(agent_id, None)
                 self._holder_seen.pop(agent_id, None)
             for entry in self._objects.values():
@@ -657,17 +649,8 @@ class Agent(TransportContext):
     def request_export(self, request: FetchRequest, transport: str) -> bytes:
         """Consumer: ask the owner to export the object for ``transport`` (forced, no handle)."""
         message = messages["TransferRequest"](object_id=request.object_id, token=request.token, transport=transport)
-        try:
-            reply = self._client.call(
-                self._address(request.owner),
-                "Export",
-                message,
-                "ExportReply",
-                timeout_s=max(0.05, min(request.remaining_s(), self._config.rpc_timeout_s)),
-            )
-        except grpc.RpcError as e:
-            raise self._owner_error(request.owner, map_rpc_error(e, f"{transport} export on request")) from None
-        return reply.handle
+        timeout_s = max(0.05, min(request.remaining_s(), self._config.rpc_timeout_s))
+        return self._ask(request.owner, "Export", message, "ExportReply", timeout_s=timeout_s).handle
 
     def handle_transfer(self, request: Any) -> Iterator[bytes]:
         entry = self._lookup_for_peer(request)
@@ -677,7 +660,17 @@ class Agent(TransportContext):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"transport {request.transport!r} cannot serve two-sided transfers here",
             )
-        return transport.serve(entry.stored, request.params)
+        return self._serving(transport.serve(entry.stored, request.params))
+
+    def _serving(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
+        """Count a served stream while it runs (it ends when done, failed, or cancelled)."""
+        with self._lock:
+            self._serving_now += 1
+        try:
+            yield from chunks
+        finally:
+            with self._lock:
+                self._serving_now -= 1
 
     def local_object(self, object_id: bytes, token: bytes) -> StoredObject:
         return self._lookup(object_id, token).stored
@@ -707,20 +700,33 @@ class Agent(TransportContext):
         if not self._owner_may_be_alive(owner):
             raise self._owner_error(owner, PeerLostError("owner exited"))
         status_request = messages["ObjectRequest"](object_id=request.object_id, token=request.token)
-        try:
-            reply = self._client.call(
-                self._address(owner),
-                "Status",
-                status_request,
-                "StatusReply",
-                timeout_s=max(0.05, min(request.remaining_s(), self.config.rpc_timeout_s)),
-            )
-        except grpc.RpcError as e:
-            raise self._owner_error(owner, map_rpc_error(e, f"status of object {request.object_id.hex()}")) from None
+        timeout_s = max(0.05, min(request.remaining_s(), self.config.rpc_timeout_s))
+        reply = self._ask(owner, "Status", status_request, "StatusReply", timeout_s=timeout_s)
         if reply.state != ObjectState.LIVE:
             raise ObjectFreedError(f"object {request.object_id.hex()} was freed by its owner (agent {owner.agent_id})")
 
+    def _ask(self, owner: PeerInfo, method: str, request: Any, reply_type: str, *, timeout_s: float) -> Any:
+        """An idempotent call to ``owner``'s agent: a dropped connection is retried once on a
+        new connection within the deadline; errors come back as tensorwire errors."""
+        deadline = time.monotonic() + timeout_s
+        address = self._address(owner)
+        for attempt in (1, 2):
+            try:
+                left = max(0.05, deadline - time.monotonic())
+                return self._client.call(address, method, request, reply_type, timeout_s=left)
+            except grpc.RpcError as e:
+                retry = attempt == 1 and e.code() == grpc.StatusCode.UNAVAILABLE and self._owner_may_be_alive(owner)
+                if retry and deadline - time.monotonic() > 0.1:
+                    logger.debug("%s to %s: connection dropped, retrying once", method, owner.agent_id)
+                    self._client.drop(address)
+                    time.sleep(0.05)
+                    continue
+                raise self._owner_error(owner, map_rpc_error(e, f"{method} call to agent {owner.agent_id}")) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def open_stream(self, request: FetchRequest, transport: str, params: bytes) -> Iterator[bytes]:
+        """Consumer: a two-sided transfer's stream. Reading is idempotent, so a connection
+        dropped before the first chunk arrived is retried once on a new connection."""
         message = messages["TransferRequest"](
             object_id=request.object_id,
             token=request.token,
@@ -729,13 +735,25 @@ class Agent(TransportContext):
             sender=encode_peer(self._peer),
         )
         what = f"{transport} transfer of object {request.object_id.hex()} from agent {request.owner.agent_id}"
-        stream = self._client.stream(self._address(request.owner), message, timeout_s=max(0.05, request.remaining_s()))
-        try:
-            yield from stream
-        except grpc.RpcError as e:
-            raise self._owner_error(request.owner, map_rpc_error(e, what)) from None
-        finally:
-            stream.cancel()
+        address = self._address(request.owner)
+        for attempt in (1, 2):
+            received = False
+            stream = self._client.stream(address, message, timeout_s=max(0.05, request.remaining_s()))
+            try:
+                for chunk in stream:
+                    received = True
+                    yield chunk
+                return
+            except grpc.RpcError as e:
+                retry = attempt == 1 and not received and e.code() == grpc.StatusCode.UNAVAILABLE
+                if retry and self._owner_may_be_alive(request.owner) and request.remaining_s() > 0.1:
+                    logger.debug("%s: connection dropped before data, retrying once", what)
+                    self._client.drop(address)
+                    time.sleep(0.05)
+                    continue
+                raise self._owner_error(request.owner, map_rpc_error(e, what)) from None
+            finally:
+                stream.cancel()
 
     def fetch(
         self,
@@ -784,8 +802,13 @@ class Agent(TransportContext):
             raise NoTransportError(f"cannot fetch object {desc.object_id.hex()}{hint}: {selection.reason}")
         request = FetchRequest(desc.object_id, desc.token, desc.owner, desc.metas, desc.packed_nbytes, None, deadline)
         errors: list[str] = []
-        for choice in selection.choices:
-            name = choice.transport
+        names = [c.transport for c in selection.choices]
+        # Bytes that travel inside the reference stay readable when the owner no longer has
+        # them (it does not track inline objects once they left): last resort for a forced one.
+        inline_rescue = forced and forced != "inline" and "inline" in handles and "inline" in self._transports
+        if inline_rescue:
+            names.append("inline")
+        for name in names:
             instance = self._transports[name]
             attempt = replace(request, handle=handles.get(name))
             start = time.perf_counter()
@@ -798,10 +821,15 @@ class Agent(TransportContext):
                     tensors = list(dst) if dst is not None else [_empty_host(m) for m in desc.metas]
                     instance.fetch(attempt, tensors)
                     zero_copy = False
-            except (ObjectFreedError, OwnerDiedError, PermissionDeniedError, TransferTimeoutError):
+            except (ObjectFreedError, OwnerDiedError, PeerLostError) as e:
+                if inline_rescue and name == forced:
+                    errors.append(f"{name}: {e}")
+                    continue
+                if isinstance(e, PeerLostError):
+                    raise self._owner_error(desc.owner, e) from e
                 raise
-            except PeerLostError as e:
-                raise self._owner_error(desc.owner, e) from e
+            except (PermissionDeniedError, TransferTimeoutError):
+                raise
             except TensorwireError as e:
                 if forced:
                     raise
@@ -810,7 +838,7 @@ class Agent(TransportContext):
                 continue
             record = TransferRecord(
                 transport=name,
-                reason=selection.reason if name == selection.best else f"fallback after: {'; '.join(errors)}",
+                reason=selection.reason if not errors else f"{name} after: {'; '.join(errors)}",
                 nbytes=desc.nbytes,
                 duration_s=time.perf_counter() - start,
                 src=desc.owner.agent_id,
@@ -837,6 +865,8 @@ class Agent(TransportContext):
                 "objects_owned": len(self._objects),
                 "bytes_owned": sum(e.stored.nbytes for e in self._objects.values()),
                 "objects_held": len(self._held),
+                "holders": len(self._holder_peers),
+                "transfers_serving": self._serving_now,
                 "transports_usable": list(self._transports),
                 "transports_unusable": dict(self._unusable),
                 "transfers": {n: {"count": c, "nbytes": b} for n, (c, b) in self._counters.items()},

@@ -142,3 +142,13 @@ def task_digest(value) -> str:
 def task_make(nbytes: int) -> dict:
     inner = tw.put(torch.full((nbytes,), 9, dtype=torch.uint8))  # owned by the task's worker
     return {"inner": inner, "plain": torch.arange(4)}
+
+
+@tw.remote(num_cpus=0, max_restarts=1)
+class Restartable:
+    @tw.method
+    def tensor(self, nbytes: int, fill: int):
+        return torch.full((nbytes,), fill, dtype=torch.uint8)
+
+    def identity(self) -> tuple[int, str]:
+        return os.getpid(), tw.stats()["agent_id"]
