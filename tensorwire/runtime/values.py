@@ -77,7 +77,8 @@ def _as_tensor(value: Any, path: str) -> torch.Tensor:
             )
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
-        value = np.ascontiguousarray(value)
+        if not value.flags.c_contiguous:
+            value = value.copy(order="C")  # (np.ascontiguousarray would turn 0-d arrays into 1-d)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only arrays: we never write to them

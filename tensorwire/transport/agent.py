@@ -237,7 +237,7 @@ class Agent(TransportContext):
         consumer then falls back to a two-sided transport.
         """
         with self._lock:
-            entry = self._objects.get(desc.object_id)
+            entry = self._owned_entry(desc)
         if entry is None:
             return {}
         with entry.export_lock:
@@ -342,7 +342,7 @@ class Agent(TransportContext):
             return
         if desc.owner.agent_id == self._peer.agent_id:
             with self._lock:
-                entry = self._objects.get(desc.object_id)
+                entry = self._owned_entry(desc)
                 if entry is None:
                     return
                 entry.local_refs -= 1
@@ -370,7 +370,7 @@ class Agent(TransportContext):
         """Pin ``desc``'s object under ``pin_id`` (a reference travels under it)."""
         if desc.owner.agent_id == self._peer.agent_id:
             with self._lock:
-                entry = self._objects.get(desc.object_id)
+                entry = self._owned_entry(desc)
                 if entry is not None:
                     self._apply_holder_op(entry, HolderOpKind.PIN, self._peer.agent_id, pin_id, time.monotonic())
         else:
@@ -382,7 +382,7 @@ class Agent(TransportContext):
             self._send(desc.owner, HolderOpKind.UNPIN, desc.object_id, desc.token, pin_id)
             return
         with self._lock:
-            entry = self._objects.get(desc.object_id)
+            entry = self._owned_entry(desc)
             if entry is None:
                 return
             self._apply_holder_op(entry, HolderOpKind.UNPIN, self._peer.agent_id, pin_id, time.monotonic())
@@ -395,7 +395,7 @@ class Agent(TransportContext):
         the ``pin_id`` it travelled under): count it, register as holder, consume the pin."""
         if desc.owner.agent_id == self._peer.agent_id:
             with self._lock:
-                entry = self._objects.get(desc.object_id)
+                entry = self._owned_entry(desc)
                 if entry is None:
                     return
                 entry.local_refs += 1
@@ -591,6 +591,14 @@ class Agent(TransportContext):
 
     def handle_ping(self, request: Any) -> Any:
         return messages["PingReply"](peer=encode_peer(self._peer))
+
+    def _owned_entry(self, desc: ObjectDescriptor) -> _Entry | None:
+        """Owner, under the lock: the entry ``desc`` names, if its token matches (a reference
+        forged in this very process gets nothing either)."""
+        entry = self._objects.get(desc.object_id)
+        if entry is None or not hmac.compare_digest(entry.stored.token, desc.token):
+            return None
+        return entry
 
     def _lookup(self, object_id: bytes, token: bytes) -> _Entry:
         """The live entry for ``object_id`` if ``token`` matches, else a mapped error."""

@@ -33,6 +33,8 @@ def packed_layout(nbytes: Iterable[int]) -> tuple[list[int], int]:
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of a contiguous tensor's bytes (no copy)."""
     flat = tensor.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))  # one element of a strided view still counts as contiguous
     if flat.dtype == torch.uint8:
         return flat
     if flat.numel() == 0:

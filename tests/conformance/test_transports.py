@@ -76,6 +76,9 @@ def test_zero_dim_empty_and_noncontiguous(transport, consumers):
         torch.arange(20, dtype=torch.int64).reshape(4, 5).t(),  # not contiguous
         torch.arange(30.0).reshape(5, 6)[:, ::2],
         np.arange(12, dtype=np.int32).reshape(3, 4)[:, 1:],
+        torch.arange(10.0)[::5][:1],  # one element of a strided view ("contiguous", stride 5)
+        np.arange(10.0)[::5][:1],
+        np.array(2.5),  # 0-d numpy
     ]
     assert fetch_digest(transport, consumers, value) == digest(value)
 

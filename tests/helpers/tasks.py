@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 import tensorwire as tw
+from tensorwire.transport.packing import byte_view
 
 _kept: dict[str, Any] = {}
 
@@ -21,7 +22,7 @@ def digest(value: Any) -> str:
     def visit(item: Any) -> None:
         if isinstance(item, torch.Tensor):
             h.update(f"T{tuple(item.shape)}{item.dtype}".encode())
-            h.update(item.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if item.numel() else b"")
+            h.update(byte_view(item.contiguous()).numpy().tobytes())
         elif isinstance(item, np.ndarray):
             h.update(f"N{item.shape}{item.dtype}".encode())
             h.update(np.ascontiguousarray(item).tobytes())
@@ -196,3 +197,21 @@ def view_and_write(ref: tw.Ref) -> dict[str, Any]:
     view[0] = -1
     again = tw.get(ref, view=True)
     return {"zero_copy": record.zero_copy, "first": first, "after_write": int(view[0]), "again": int(again[0])}
+
+
+def get_outcome(ref: tw.Ref, **kwargs: Any) -> str:
+    """The error class name of ``get``, or "ok via <transport>"."""
+    try:
+        tw.get(ref, **kwargs)
+    except Exception as e:
+        return type(e).__name__
+    return "ok via " + tw.stats()["recent"][-1].transport
+
+
+def get_reason(ref: tw.Ref, **kwargs: Any) -> str:
+    try:
+        tw.get(ref, **kwargs)
+    except Exception as e:
+        return repr(e)
+    r = tw.stats()["recent"][-1]
+    return f"{r.transport}: {r.reason}"
