@@ -170,7 +170,7 @@ def test_producer_killed_mid_flight_and_consumer_stays_usable(consumer):
     assert ray.get(consumer.fetch_error.remote({"ref": tw.passthrough(ready)})) == "OwnerDiedError"
     with pytest.raises(tw.OwnerDiedError):  # resolving an argument fails in the caller
         ray.get(consumer.digest.remote(ready))
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 30  # before the deadline: noticed, not timed out
     assert ray.get(consumer.digest.remote(torch.ones(2))) == digest(torch.ones(2))  # still usable
 
 
