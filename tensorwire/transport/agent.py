@@ -25,7 +25,6 @@ import collections
 import hmac
 import logging
 import os
-import queue
 import secrets
 import socket
 import threading
@@ -68,6 +67,7 @@ from tensorwire.transport.control import (
     map_rpc_error,
     socket_dir,
 )
+from tensorwire.transport.outbox import Outbox
 from tensorwire.transport.wire import HolderOpKind, ObjectState, decode_peer, encode_peer, messages
 
 __all__ = ["Agent", "TransferRecord", "add_startup_hook", "get_agent", "shutdown_agent"]
@@ -128,9 +128,6 @@ class Agent(TransportContext):
         self._warned: set[str] = set()
         self._records: collections.deque[TransferRecord] = collections.deque(maxlen=1000)
         self._counters: dict[str, list[int]] = {}
-        self._outbox: queue.Queue[tuple[PeerInfo, Any] | None] = queue.Queue()
-        self._outbox_pending = 0
-        self._outbox_idle = threading.Condition()
         self._closed = threading.Event()
         self._serving_now = 0
         self.pid = os.getpid()
@@ -157,12 +154,15 @@ class Agent(TransportContext):
             devices=topology.visible_devices(),
         )
         self._refresh_transports()
-        self._threads = [
-            threading.Thread(target=self._send_loop, name="tensorwire-holders", daemon=True),
-            threading.Thread(target=self._reap_loop, name="tensorwire-reaper", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._outbox = Outbox(
+            self._client,
+            sender=lambda: encode_peer(self._peer),
+            address=self._address,
+            may_be_alive=self._owner_may_be_alive,
+            rpc_timeout_s=self._config.rpc_timeout_s,
+        )
+        self._reaper = threading.Thread(target=self._reap_loop, name="tensorwire-reaper", daemon=True)
+        self._reaper.start()
         logger.debug("agent %s started: %s %s", agent_id, self._server.unix_address, self._server.tcp_address)
 
     # ------------------------------------------------------------------ identity, transports
@@ -414,87 +414,11 @@ class Agent(TransportContext):
     # ------------------------------------------------------------------ holder messages
 
     def _send(self, owner: PeerInfo, kind: HolderOpKind, object_id: bytes, token: bytes, pin_id: bytes = b"") -> None:
-        op = messages["HolderOp"](kind=int(kind), object_id=object_id, token=token, pin_id=pin_id)
-        with self._outbox_idle:
-            self._outbox_pending += 1
-        self._outbox.put((owner, op))
+        self._outbox.send(owner, kind, object_id, token, pin_id)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued holder message was sent; False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self._outbox_idle:
-            while self._outbox_pending > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._outbox_idle.wait(left)
-        return True
-
-    def _send_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                item = self._outbox.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if item is None:
-                break
-            batch = [item]
-            time.sleep(0.001)  # let a burst of references collect into one message
-            while True:
-                try:
-                    more = self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._closed.set()
-                    break
-                batch.append(more)
-            by_owner: dict[str, tuple[PeerInfo, list[Any]]] = {}
-            for owner, op in batch:
-                by_owner.setdefault(owner.agent_id, (owner, []))[1].append(op)
-            self._deliver(list(by_owner.values()))
-            with self._outbox_idle:
-                self._outbox_pending -= len(batch)
-                self._outbox_idle.notify_all()
-
-    def _deliver(self, batches: list[tuple[PeerInfo, list[Any]]]) -> None:
-        """Send each owner its operations, all owners at once; retry owners that may be alive.
-
-        An owner that has exited needs no message (its objects are gone); one that stays
-        unreachable is given up after three tries, and its holds expire by the owner's own
-        holder check.
-        """
-        sender = encode_peer(self._peer)
-        for attempt in range(3):
-            calls = [
-                (
-                    owner,
-                    ops,
-                    self._client.call_async(
-                        self._address(owner),
-                        "Holders",
-                        messages["HolderBatch"](sender=sender, ops=ops),
-                        "HolderReply",
-                        timeout_s=min(self._config.rpc_timeout_s, 2.0 * (attempt + 1)),
-                    ),
-                )
-                for owner, ops in batches
-            ]
-            retry = []
-            for owner, ops, call in calls:
-                try:
-                    call.result()
-                except grpc.RpcError as e:
-                    if self._owner_may_be_alive(owner) and e.code() != grpc.StatusCode.UNAUTHENTICATED:
-                        retry.append((owner, ops))
-                    else:
-                        logger.debug("dropping %d holder messages for %s: %s", len(ops), owner.agent_id, e.code())
-            if not retry:
-                return
-            batches = retry
-            time.sleep(0.05 * (attempt + 1))
-        for owner, ops in batches:
-            logger.warning("could not deliver %d holder messages to agent %s", len(ops), owner.agent_id)
+        return self._outbox.flush(timeout_s)
 
     def handle_holders(self, request: Any) -> Any:
         sender = decode_peer(request.sender)
@@ -897,7 +821,7 @@ class Agent(TransportContext):
             return
         self.flush(timeout_s=1.0)
         self._closed.set()
-        self._outbox.put(None)
+        self._outbox.close()
         with self._lock:
             entries = list(self._objects.values())
         for entry in entries:

@@ -248,31 +248,56 @@ class ControlClient:
         if channel is not None:
             channel.close()
 
-    def _unary(self, address: str, method: str, request: Any, reply_type: str) -> Any:
-        return self._channel(address).unary_unary(
-            f"/{_SERVICE}/{method}",
-            request_serializer=type(request).SerializeToString,
-            response_deserializer=messages[reply_type].FromString,
-        )
+    def _invoke(self, address: str, start: Callable[[grpc.Channel], Any]) -> Any:
+        """``start(channel)``; if another thread closed that channel meanwhile (``drop`` after a
+        lost connection), once more on a fresh one."""
+        channel = self._channel(address)
+        try:
+            return start(channel)
+        except ValueError:  # "Cannot invoke RPC: Channel closed!"
+            with self._lock:
+                if self._channels.get(address) is channel:
+                    del self._channels[address]
+            return start(self._channel(address))
 
     def call(self, address: str, method: str, request: Any, reply_type: str, *, timeout_s: float) -> Any:
         """One unary call; raises ``grpc.RpcError`` (callers map it with :func:`map_rpc_error`)."""
-        stub = self._unary(address, method, request, reply_type)
-        return stub(request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=False)
+
+        def start(channel: grpc.Channel) -> Any:
+            stub = channel.unary_unary(
+                f"/{_SERVICE}/{method}",
+                request_serializer=type(request).SerializeToString,
+                response_deserializer=messages[reply_type].FromString,
+            )
+            return stub(request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=False)
+
+        return self._invoke(address, start)
 
     def call_async(self, address: str, method: str, request: Any, reply_type: str, *, timeout_s: float) -> Any:
         """Start one unary call; ``.result()`` on the returned future blocks (and raises) like :meth:`call`."""
-        stub = self._unary(address, method, request, reply_type)
-        return stub.future(request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=False)
+
+        def start(channel: grpc.Channel) -> Any:
+            stub = channel.unary_unary(
+                f"/{_SERVICE}/{method}",
+                request_serializer=type(request).SerializeToString,
+                response_deserializer=messages[reply_type].FromString,
+            )
+            return stub.future(request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=False)
+
+        return self._invoke(address, start)
 
     def stream(self, address: str, request: Any, *, timeout_s: float) -> Any:
         """Start a ``Transfer`` stream; the returned iterator yields raw chunks (``cancel()`` aborts)."""
-        stub = self._channel(address).unary_stream(
-            f"/{_SERVICE}/Transfer",
-            request_serializer=type(request).SerializeToString,
-            response_deserializer=_identity,
-        )
-        return stub(request, timeout=timeout_s, metadata=self._metadata)
+
+        def start(channel: grpc.Channel) -> Any:
+            stub = channel.unary_stream(
+                f"/{_SERVICE}/Transfer",
+                request_serializer=type(request).SerializeToString,
+                response_deserializer=_identity,
+            )
+            return stub(request, timeout=timeout_s, metadata=self._metadata)
+
+        return self._invoke(address, start)
 
     def close(self) -> None:
         with self._lock:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import time
 from typing import Any
 
 import numpy as np
@@ -61,19 +60,6 @@ def get_transport(ref: tw.Ref, **kwargs: Any) -> tuple[str, str]:
     return digest(value), record.transport
 
 
-def put_value(kind: str, nbytes: int, seed: int = 0, keep: str = "") -> tuple[tw.Ref, str]:
-    """Make a value in this process, put it, return (ref, digest)."""
-    gen = torch.Generator().manual_seed(seed)
-    if kind == "tensor":
-        value: Any = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=gen)
-    else:
-        value = {f"w{i}": torch.randn(max(1, nbytes // 4 // 16), generator=gen) for i in range(16)}
-    ref = tw.put(value)
-    if keep:
-        _kept[keep] = ref
-    return ref, digest(value)
-
-
 def hold(ref: tw.Ref, name: str) -> int:
     """Keep ``ref`` alive in this process under ``name``."""
     _kept[name] = ref
@@ -85,22 +71,6 @@ def drop(name: str) -> None:
     from tensorwire.transport.agent import get_agent
 
     get_agent().flush()
-
-
-def owned() -> int:
-    from tensorwire.transport.agent import get_agent
-
-    return get_agent().owned_objects()
-
-
-def sleep(seconds: float) -> None:
-    time.sleep(seconds)
-
-
-def pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 def get_into_out(ref: tw.Ref, transport: str = "") -> tuple[str, bool]:
@@ -118,26 +88,10 @@ def register_test_transport() -> list[str]:
     return register()
 
 
-def set_inline_limit(nbytes: int) -> None:
-    from dataclasses import replace
-
-    from tensorwire.transport.agent import get_agent
-
-    agent = get_agent()
-    agent.set_config(replace(agent.config, inline_max_nbytes=nbytes))
-
-
 def put_and_return(nbytes: int, seed: int = 0) -> tuple[tw.Ref, str]:
     """Put a random uint8 tensor and keep it alive only through the returned reference."""
     value = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     return tw.put(value), digest(value)
-
-
-def get_and_time(ref: tw.Ref, transport: str = "") -> float:
-    """Seconds one get takes (after the worker's agent is warm)."""
-    start = time.perf_counter()
-    tw.get(ref, transport=transport)
-    return time.perf_counter() - start
 
 
 def cycle(ref: tw.Ref) -> int:
@@ -206,12 +160,3 @@ def get_outcome(ref: tw.Ref, **kwargs: Any) -> str:
     except Exception as e:
         return type(e).__name__
     return "ok via " + tw.stats()["recent"][-1].transport
-
-
-def get_reason(ref: tw.Ref, **kwargs: Any) -> str:
-    try:
-        tw.get(ref, **kwargs)
-    except Exception as e:
-        return repr(e)
-    r = tw.stats()["recent"][-1]
-    return f"{r.transport}: {r.reason}"

@@ -84,3 +84,20 @@ def test_transport_layer_never_unpickles():
         )
     ]
     assert offenders == []
+
+
+def test_call_on_a_channel_closed_by_another_thread_reconnects(agent):
+    """``drop`` (after a lost connection) may close a channel another thread is about to use."""
+    from tensorwire.transport.control import ControlClient
+
+    client = ControlClient(token=cluster_token())
+    try:
+        address = agent.peer.unix_address
+        client._channel(address).close()  # closed, but still cached, as in the race
+        reply = client.call(address, "Ping", messages["PingRequest"](), "PingReply", timeout_s=5)
+        assert reply.peer.agent_id == agent.peer.agent_id
+        client._channel(address).close()
+        future = client.call_async(address, "Ping", messages["PingRequest"](), "PingReply", timeout_s=5)
+        assert future.result().peer.agent_id == agent.peer.agent_id
+    finally:
+        client.close()
