@@ -40,26 +40,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def _segments() -> set[str]:
-    from tensorwire.transport.shm import SHM_DIR, segment_prefix
-
-    try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith(segment_prefix())}
-    except OSError:
-        return set()
-
-
 @pytest.fixture(scope="session", autouse=True)
 def no_segments_left_behind():
     """After the whole session no shared-memory segment of ours may remain."""
-    before = _segments()
+    from tests.helpers.observe import segment_names
+
+    before = segment_names()
     yield
     from tensorwire.transport.agent import shutdown_agent
     from tensorwire.transport.shm import remove_orphan_segments
 
     shutdown_agent()
     remove_orphan_segments()  # segments of workers killed on purpose by failure tests
-    left = _segments() - before
+    left = segment_names() - before
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
 
 

@@ -12,25 +12,12 @@ import torch
 
 import tensorwire as tw
 from tensorwire.runtime.ref import Ref, RefState
-from tensorwire.transport.shm import SHM_DIR, segment_prefix
+from tests.helpers.observe import segment_count, wait_until
 from tests.helpers.procs import Worker
 from tests.helpers.proxy import DroppingProxy
 from tests.helpers.tasks import digest
 
 TWO_SIDED_AND_SHM = ["shm", "host"]
-
-
-def wait_until(predicate, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
-def segments() -> int:
-    return sum(1 for n in os.listdir(SHM_DIR) if n.startswith(segment_prefix()))
 
 
 @pytest.mark.parametrize("transport", TWO_SIDED_AND_SHM)
@@ -81,7 +68,7 @@ def test_other_transfers_continue_when_one_producer_dies():
 
 
 def test_consumer_killed_mid_transfer_releases_everything(agent):
-    before = {"owned": agent.owned_objects(), "segments": segments(), "holders": agent.stats()["holders"]}
+    before = {"owned": agent.owned_objects(), "segments": segment_count(), "holders": agent.stats()["holders"]}
     consumer = Worker()
     ref = tw.put(torch.full((512 << 20,), 3, dtype=torch.uint8))
     agent.export_handles(ref._desc)  # an shm segment too (as a first pickle would make)
@@ -91,7 +78,7 @@ def test_consumer_killed_mid_transfer_releases_everything(agent):
     del ref
     assert wait_until(lambda: agent.stats()["transfers_serving"] == 0)
     assert wait_until(lambda: agent.owned_objects() == before["owned"])
-    assert wait_until(lambda: segments() == before["segments"])
+    assert wait_until(lambda: segment_count() == before["segments"])
     assert wait_until(lambda: agent.stats()["holders"] == before["holders"])
     consumer.close()
 

@@ -17,19 +17,15 @@ import time
 
 import pytest
 
-from tensorwire.transport.shm import SHM_DIR, segment_prefix
+from tests.helpers.observe import segment_count
 from tests.helpers.procs import Worker
 
 MIB = 1 << 20
 
 
-def segments() -> int:
-    return sum(1 for n in os.listdir(SHM_DIR) if n.startswith(segment_prefix()))
-
-
 def soak(duration_s: float, *, peers: int = 4, per_round: int = 3, max_nbytes: int = 64 * MIB) -> dict:
     workers = [Worker() for _ in range(peers)]
-    segments_before = segments()
+    segments_before = segment_count()
     try:
         rounds = wrong = payloads = 0
         samples: list[list[dict]] = []
@@ -83,7 +79,7 @@ def check(result: dict, margin_mib: float) -> None:
         assert after["fds"] <= before_fds + 4, f"file descriptors leaked: {before_fds} -> {after['fds']}"
         early, late = rss_halves_mib(result, worker)
         assert late <= early + margin_mib, f"worker {worker} RSS kept growing: peak {early:.0f} -> {late:.0f} MiB"
-    assert segments() <= result["segments_before"], "shared-memory segments left behind"
+    assert segment_count() <= result["segments_before"], "shared-memory segments left behind"
 
 
 def report(result: dict) -> None:

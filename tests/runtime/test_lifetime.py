@@ -11,18 +11,9 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.transport.shm import SHM_DIR, segment_prefix
+from tests.helpers.observe import segment_count, wait_until
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def owned(agent) -> int:
@@ -122,10 +113,6 @@ def _rss_nbytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _shm_segments() -> int:
-    return sum(1 for n in os.listdir(SHM_DIR) if n.startswith(segment_prefix()))
-
-
 def test_memory_returns_to_baseline_after_1000_cycles(agent, worker):
     """put -> consumer get (shm) -> drop, 1,000 times: objects, segments and RSS come back."""
     value = torch.randint(0, 100, (256 * 1024,), dtype=torch.uint8)  # 256 KiB: above inline, via shm
@@ -141,11 +128,11 @@ def test_memory_returns_to_baseline_after_1000_cycles(agent, worker):
     run(50)
     worker.call("tests.helpers.tasks:flush")
     assert wait_until(lambda: owned(agent) == baseline)
-    segments = _shm_segments()
+    segments = segment_count()
     rss = _rss_nbytes()
     run(1000)
     worker.call("tests.helpers.tasks:flush")
     assert wait_until(lambda: owned(agent) == baseline)
-    assert wait_until(lambda: _shm_segments() == segments)
+    assert wait_until(lambda: segment_count() == segments)
     growth_mib = (_rss_nbytes() - rss) / 2**20
     assert growth_mib < 32, f"RSS grew by {growth_mib:.1f} MiB over 1,000 cycles of 256 KiB"

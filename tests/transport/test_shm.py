@@ -12,26 +12,23 @@ import torch
 
 import tensorwire as tw
 from tensorwire.transport import shm
+from tests.helpers.observe import segment_names
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
 
-def _ours() -> set[str]:
-    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.segment_prefix())}
-
-
 def test_segment_is_private_and_unlinked_on_free(agent):
-    before = _ours()
+    before = segment_names()
     ref = tw.put(torch.randn(100_000))
     pickle.dumps(ref)  # leaving the process exports the segment
-    new = _ours() - before
+    new = segment_names() - before
     assert len(new) == 1
     (name,) = new
     info = os.stat(os.path.join(shm.SHM_DIR, name))
     assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()
     assert len(name.rsplit("-", 1)[1]) == 32  # 128 random bits
     tw.free(ref)
-    assert _ours() == before
+    assert segment_names() == before
 
 
 def test_segments_of_a_killed_producer_are_removed_by_the_next_agent():
@@ -39,11 +36,11 @@ def test_segments_of_a_killed_producer_are_removed_by_the_next_agent():
     try:
         ref = w.call("tests.helpers.tasks:put_filled", 1 << 20)
         pickle.dumps(ref)
-        names = {n for n in _ours() if n.startswith(f"{shm.segment_prefix()}{w.pid}-")}
+        names = {n for n in segment_names() if n.startswith(f"{shm.segment_prefix()}{w.pid}-")}
         assert len(names) == 1
         w.kill()
         assert shm.remove_orphan_segments() >= 1
-        assert not names & _ours()
+        assert not names & segment_names()
     finally:
         w.close()
 
