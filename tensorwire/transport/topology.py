@@ -5,6 +5,7 @@ Never raises at import; anything that cannot be discovered is left empty.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -86,3 +87,153 @@ def visible_devices() -> tuple[DeviceInfo, ...]:
     except Exception:  # noqa: BLE001 - discovery must never fail the caller
         pass
     return tuple(devices)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _numa_nodes() -> int:
+    try:
+        return sum(1 for n in os.listdir("/sys/devices/system/node") if n.startswith("node") and n[4:].isdigit())
+    except OSError:
+        return 0
+
+
+def _shared_memory() -> dict[str, object]:
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError as e:
+        return {"path": "/dev/shm", "error": str(e)}
+    return {
+        "path": "/dev/shm",
+        "total_nbytes": stats.f_blocks * stats.f_frsize,
+        "free_nbytes": stats.f_bavail * stats.f_frsize,
+    }
+
+
+def _rdma_nics() -> list[dict[str, object]]:
+    base = "/sys/class/infiniband"
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return []
+    nics = []
+    for name in names:
+        ports = []
+        try:
+            port_names = sorted(os.listdir(f"{base}/{name}/ports"))
+        except OSError:
+            port_names = []
+        for port in port_names:
+            ports.append({
+                "port": port,
+                "state": _read(f"{base}/{name}/ports/{port}/state"),
+                "link_layer": _read(f"{base}/{name}/ports/{port}/link_layer"),
+                "rate": _read(f"{base}/{name}/ports/{port}/rate"),
+            })  # fmt: skip
+        nics.append({"name": name, "numa_node": _read(f"{base}/{name}/device/numa_node"), "ports": ports})
+    return nics
+
+
+def _gpudirect_rdma() -> bool:
+    modules = _read("/proc/modules")
+    return any(line.split(" ", 1)[0] in ("nvidia_peermem", "nv_peer_mem") for line in modules.splitlines())
+
+
+def _nvidia(visible: list[str] | None) -> dict[str, object]:
+    """NVIDIA GPUs through NVML: physical ids and the P2P/NVLink matrix, or why not."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"devices": [], "reason": "nvidia-ml-py is not installed (pip install 'tensorwire[gpu]')"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - NVML raises its own error types
+        return {"devices": [], "reason": f"NVML unavailable: {e}"}
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        devices = []
+        for index, handle in enumerate(handles):
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+            bus = pynvml.nvmlDeviceGetPciInfo(handle).busId
+            bus = bus.decode() if isinstance(bus, bytes) else bus
+            shown = visible is None or str(index) in visible or uuid in visible
+            devices.append({"index": index, "uuid": uuid, "pci_bus_id": bus, "visible": shown})
+        links = []
+        for i, a in enumerate(handles):
+            for j, b in enumerate(handles):
+                if i < j:
+                    status = pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_READ)
+                    links.append({"a": i, "b": j, "p2p": status == pynvml.NVML_P2P_STATUS_OK})
+        return {"devices": devices, "p2p": links, "reason": ""}
+    except Exception as e:  # noqa: BLE001
+        return {"devices": [], "reason": f"NVML query failed: {e}"}
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
+def _transport_libraries() -> dict[str, str]:
+    """Which optional transport libraries import here, with versions or the reason not."""
+    import importlib.util
+
+    found: dict[str, str] = {}
+    found["ucxx"] = (
+        "importable" if importlib.util.find_spec("ucxx") else "not installed (pip install 'tensorwire[ucx]')"
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        found["gloo"] = "available" if dist.is_available() and dist.is_gloo_available() else "not built into torch"
+        if torch.cuda.is_available():
+            version = torch.cuda.nccl.version()
+            found["nccl"] = ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
+        else:
+            found["nccl"] = "no CUDA device"
+    except Exception as e:  # noqa: BLE001 - discovery never fails the caller
+        found["torch"] = f"unavailable: {e}"
+    return found
+
+
+def describe_node() -> dict[str, object]:
+    """This node's facts as plain data (JSON-ready). Never raises; missing facts give reasons."""
+    from tensorwire.transport.accelerators import VENDORS, visible_ids
+
+    accelerators: dict[str, object] = {}
+    for vendor in VENDORS.values():
+        try:
+            ids = visible_ids(vendor)
+        except ValueError as e:
+            accelerators[vendor.name] = {"error": str(e)}
+            continue
+        entry: dict[str, object] = {
+            "resource": vendor.resource,
+            "visibility_env": list(vendor.visibility_env),
+            "visible": ids,
+            "torch_device": vendor.torch_device,
+        }
+        if vendor.name == "nvidia":
+            entry.update(_nvidia(ids))
+        elif ids is None:
+            continue  # nothing restricts or reports this vendor here
+        accelerators[vendor.name] = entry
+    return {
+        "node_id": node_id(),
+        "machine_id": machine_id(),
+        "hostname": socket.gethostname(),
+        "cpus": os.cpu_count() or 0,
+        "numa_nodes": _numa_nodes(),
+        "shared_memory": _shared_memory(),
+        "devices": [vars(d) for d in visible_devices()],
+        "accelerators": accelerators,
+        "rdma_nics": _rdma_nics(),
+        "gpudirect_rdma": _gpudirect_rdma(),
+        "transport_libraries": _transport_libraries(),
+    }

@@ -42,6 +42,16 @@ def on(node: str):
     return {"resources": {node: 1}}
 
 
+def test_topo_gathers_every_node(cluster):
+    from tensorwire.cli import _cluster_reports
+
+    c, _ = cluster
+    reports = _cluster_reports(c.address)
+    node_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert {r["node_id"] for r in reports} == node_ids
+    assert all(r["transports"]["host"] == "usable" for r in reports)
+
+
 def test_actors_on_two_nodes_use_a_cross_node_transport(cluster):
     producer = Producer.options(**on("node_b")).remote()
     consumer = Consumer.options(**on("node_a")).remote()
