@@ -1,4 +1,4 @@
-"""``tensorwire`` command line: ``tensorwire topo [--json] [--address ADDR]``."""
+"""``tensorwire`` command line: ``tensorwire topo [--json] [--address ADDR]``, ``tensorwire doctor``."""
 
 from __future__ import annotations
 
@@ -78,13 +78,119 @@ def _print_report(report: dict[str, Any]) -> None:
     print("  transports: " + ", ".join(f"{k} ({v})" for k, v in report["transports"].items()))
 
 
+def _doctor_child(conn: Any, env: dict[str, str]) -> None:
+    """Doctor's peer process: fetch each reference it is sent with the transport named."""
+    import hashlib
+    import os
+
+    os.environ.update(env)
+    import tensorwire as tw
+
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        ref, transport = message
+        try:
+            value = tw.get(ref, transport=transport, timeout_s=30)
+            conn.send(("ok", hashlib.sha256(value.numpy().tobytes()).hexdigest()))
+        except Exception as e:  # noqa: BLE001 - reported to the doctor
+            conn.send(("fail", f"{type(e).__name__}: {e}"))
+
+
+def _doctor() -> list[tuple[str, str, str]]:
+    """End-to-end checks with real transfers between this process and local peer processes."""
+    import hashlib
+    import multiprocessing as mp
+
+    import torch
+
+    import tensorwire as tw
+    from tensorwire.runtime.ray_env import agent as runtime_agent
+    from tensorwire.transport import registry
+    from tensorwire.transport.topology import describe_node
+
+    results: list[tuple[str, str, str]] = []
+    node = describe_node()
+    shm_total = node["shared_memory"].get("total_nbytes", 0)
+    if not shm_total:
+        results.append(("/dev/shm", "fail", "missing: same-node transfers fall back to the host stream"))
+    elif shm_total < 1 << 30:
+        results.append(("/dev/shm", "warn", f"only {shm_total / 2**20:.0f} MiB: enlarge it (docker --shm-size=8g)"))
+    else:
+        results.append(("/dev/shm", "ok", f"{shm_total / 2**30:.1f} GiB"))
+    nvidia = node["accelerators"].get("nvidia", {})
+    if nvidia.get("devices"):
+        results.append(("NVML", "ok", f"{len(nvidia['devices'])} NVIDIA GPU(s)"))
+    else:
+        results.append(("NVML", "warn", str(nvidia.get("reason") or "no NVIDIA GPU")))
+    libraries = node["transport_libraries"]
+    if libraries.get("ucxx") != "importable":
+        results.append(("UCX", "warn", str(libraries.get("ucxx"))))
+    if not node["rdma_nics"]:
+        results.append(("RDMA", "warn", "no InfiniBand/RoCE NIC: cross-node traffic uses TCP"))
+
+    agent = runtime_agent()
+    large = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
+    small = large[:1024].clone()  # inline carries only small values
+    digests = {id(v): hashlib.sha256(v.numpy().tobytes()).hexdigest() for v in (large, small)}
+    ctx = mp.get_context("spawn")
+    peers = {}
+    for where, env in (("same node", {}), ("other node", {"TENSORWIRE_NODE_ID": f"{agent.peer.node_id}/doctor"})):
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=_doctor_child, args=(child, env), daemon=True)
+        process.start()
+        peers[where] = (parent, process)
+    try:
+        for name in registry.registered_transports():
+            caps = registry.get_transport_class(name).capabilities
+            if name in agent.unusable_transports():
+                results.append((f"transport {name}", "fail", agent.unusable_transports()[name]))
+                continue
+            value = small if name == "inline" else large
+            expected = digests[id(value)]
+            size = f"{value.numel() // 1024} KiB"
+            if caps.same_process:
+                got = tw.get(tw.put(value), transport=name)
+                ok = hashlib.sha256(got.numpy().tobytes()).hexdigest() == expected
+                results.append((f"transport {name}", "ok" if ok else "fail", f"same process, {size}"))
+                continue
+            for where, (conn, _process) in peers.items():
+                if where == "other node" and not caps.cross_node:
+                    continue
+                conn.send((tw.put(value), name))
+                if not conn.poll(60):
+                    results.append((f"transport {name}", "fail", f"{where}: no answer within 60 s"))
+                    continue
+                status, detail = conn.recv()
+                if status == "ok" and detail != expected:
+                    status, detail = "fail", "data arrived corrupted"
+                results.append((f"transport {name}", status, f"{where}, {size}" if status == "ok" else detail))
+    finally:
+        for conn, process in peers.values():
+            conn.send(None)
+            process.join(10)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tensorwire", description="tensorwire tools")
     commands = parser.add_subparsers(dest="command", required=True)
     topo = commands.add_parser("topo", help="accelerators, links, NICs and transports of this node or a Ray cluster")
     topo.add_argument("--json", action="store_true", help="print JSON")
     topo.add_argument("--address", default="", help="a Ray cluster address: report every node of it")
+    doctor = commands.add_parser("doctor", help="check every transport with a real transfer; say what to fix")
+    doctor.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
+    if args.command == "doctor":
+        results = _doctor()
+        if args.json:
+            json.dump([{"check": c, "status": s, "detail": d} for c, s, d in results], sys.stdout, indent=2)
+            print()
+        else:
+            for check, status, detail in results:
+                print(f"{status.upper():5} {check:20} {detail}")
+        return 1 if any(status == "fail" for _, status, _ in results) else 0
     if args.command == "topo":
         reports = _cluster_reports(args.address) if args.address else [_node_report()]
         if args.json:

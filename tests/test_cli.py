@@ -39,3 +39,34 @@ def test_topo_text_names_vendors_and_visibility():
     assert "intel_gaudi (Ray resource HPU, HABANA_VISIBLE_MODULES=2,3)" in out
     assert "CUDA_VISIBLE_DEVICES=none" in out
     assert "transports: local (usable)" in out
+
+
+def run_doctor(env: dict[str, str] | None = None) -> tuple[int, list[dict[str, str]]]:
+    done = subprocess.run(
+        [sys.executable, "-m", "tensorwire", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_doctor_checks_every_transport_with_a_real_transfer():
+    code, results = run_doctor()
+    assert code == 0, results
+    ok = {r["check"] for r in results if r["status"] == "ok"}
+    assert {"transport local", "transport inline", "transport shm", "transport host"} <= ok
+    details = {(r["check"], r["detail"]) for r in results}
+    assert ("transport host", "other node, 1024 KiB") in details  # the cross-node path was exercised
+    nvml = next(r for r in results if r["check"] == "NVML")
+    assert nvml["status"] in ("ok", "warn") and nvml["detail"]
+
+
+def test_doctor_reports_a_broken_transport_and_fails():
+    code, results = run_doctor({"TENSORWIRE_INLINE_NBYTES": "100"})  # inline cannot carry 1 KiB now
+    assert code == 1
+    failed = [r for r in results if r["status"] == "fail"]
+    assert failed and all(r["check"] == "transport inline" for r in failed)
+    assert "TENSORWIRE_INLINE_NBYTES" in failed[0]["detail"]
