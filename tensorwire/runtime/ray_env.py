@@ -21,11 +21,12 @@ import threading
 from typing import TYPE_CHECKING
 
 from tensorwire.transport.agent import add_startup_hook, get_agent
+from tensorwire.transport.metrics import TransferRecord, add_observer
 
 if TYPE_CHECKING:
     from tensorwire.transport.agent import Agent
 
-__all__ = ["TOKEN_ACTOR_NAME", "TOKEN_NAMESPACE", "agent", "configure_process", "in_ray"]
+__all__ = ["TOKEN_ACTOR_NAME", "TOKEN_NAMESPACE", "RayMetrics", "agent", "configure_process", "in_ray"]
 
 TOKEN_ACTOR_NAME = "tensorwire_cluster_token"
 TOKEN_NAMESPACE = "tensorwire"
@@ -60,6 +61,39 @@ def _cluster_token(timeout_s: float = 60.0) -> str:
     return ray.get(keeper.token.remote(), timeout=timeout_s)
 
 
+class RayMetrics:
+    """Transfer metrics through ``ray.util.metrics`` (shown on the Ray dashboard)."""
+
+    _instance: RayMetrics | None = None
+
+    def __init__(self) -> None:
+        from ray.util import metrics
+
+        tags = ("transport",)
+        self._transfers = metrics.Counter("tensorwire_transfers", "Completed tensorwire fetches", tag_keys=tags)
+        self._nbytes = metrics.Counter("tensorwire_transfer_bytes", "Bytes moved by tensorwire fetches", tag_keys=tags)
+        self._seconds = metrics.Histogram(
+            "tensorwire_transfer_seconds",
+            "Duration of tensorwire fetches",
+            boundaries=[1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0],
+            tag_keys=tags,
+        )
+        self.recorded = 0
+
+    @classmethod
+    def instance(cls) -> RayMetrics:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def __call__(self, record: TransferRecord) -> None:
+        tags = {"transport": record.transport}
+        self._transfers.inc(1, tags=tags)
+        self._nbytes.inc(record.nbytes, tags=tags)
+        self._seconds.observe(record.duration_s, tags=tags)
+        self.recorded += 1
+
+
 def configure_process() -> None:
     """Set the agent's Ray-derived settings in this process's environment (once per process)."""
     global _configured_pid
@@ -75,6 +109,7 @@ def configure_process() -> None:
         os.environ.setdefault("TENSORWIRE_HOST", ray.util.get_node_ip_address())
         if not os.environ.get("TENSORWIRE_CLUSTER_TOKEN"):
             os.environ["TENSORWIRE_CLUSTER_TOKEN"] = _cluster_token()
+        add_observer(RayMetrics.instance())
         _configured_pid = os.getpid()
 
 

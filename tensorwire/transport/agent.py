@@ -46,7 +46,7 @@ from tensorwire.errors import (
     TensorwireError,
     TransferTimeoutError,
 )
-from tensorwire.transport import registry, selector, topology
+from tensorwire.transport import metrics, registry, selector, topology
 from tensorwire.transport.base import (
     Capabilities,
     FetchRequest,
@@ -67,6 +67,7 @@ from tensorwire.transport.control import (
     map_rpc_error,
     socket_dir,
 )
+from tensorwire.transport.metrics import TransferRecord
 from tensorwire.transport.outbox import Outbox
 from tensorwire.transport.wire import HolderOpKind, ObjectState, decode_peer, encode_peer, messages
 
@@ -96,19 +97,6 @@ class _Held:
     owner: PeerInfo
     token: bytes
     count: int = 0
-
-
-@dataclass(frozen=True)
-class TransferRecord:
-    """One completed fetch, as :func:`tensorwire.stats` reports it."""
-
-    transport: str
-    reason: str
-    nbytes: int
-    duration_s: float
-    src: str
-    dst: str
-    zero_copy: bool
 
 
 class Agent(TransportContext):
@@ -154,6 +142,7 @@ class Agent(TransportContext):
             devices=topology.visible_devices(),
         )
         self._refresh_transports()
+        metrics.enable_prometheus()  # when prometheus-client is installed
         self._outbox = Outbox(
             self._client,
             sender=lambda: encode_peer(self._peer),
@@ -787,6 +776,7 @@ class Agent(TransportContext):
             counts = self._counters.setdefault(record.transport, [0, 0])
             counts[0] += 1
             counts[1] += record.nbytes
+        metrics.notify(record)
 
     def stats(self) -> dict[str, Any]:
         """Objects owned, holds, and transfers by transport (count, bytes) with recent records."""

@@ -110,6 +110,12 @@ class Consumer:
     def pid(self) -> int:
         return os.getpid()
 
+    def ray_metrics_recorded(self) -> int:
+        """Transfers this process reported through Ray's metrics API."""
+        from tensorwire.runtime.ray_env import RayMetrics
+
+        return RayMetrics.instance().recorded
+
     def flush(self) -> None:
         """Send queued holder messages (no garbage collection: references must die by refcount)."""
         from tensorwire.transport.agent import get_agent

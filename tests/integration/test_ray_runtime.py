@@ -43,6 +43,12 @@ def test_state_dict_by_reference_actor_to_actor(producer, consumer):
     assert digest(tw.get(ref)) == got  # and in the driver
 
 
+def test_transfers_reach_rays_metrics(producer, consumer):
+    before = ray.get(consumer.ray_metrics_recorded.remote())
+    ray.get(consumer.digest.remote(producer.tensor.remote(200_000)))
+    assert ray.get(consumer.ray_metrics_recorded.remote()) == before + 1
+
+
 def test_nested_values_and_refs_nested_in_arguments(producer, consumer):
     ref = producer.nested.remote()
     value = tw.get(ref)

@@ -1,0 +1,43 @@
+"""Every transfer is recorded (stats, Prometheus); observers never break a transfer."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY
+
+import tensorwire as tw
+from tensorwire.transport import metrics
+from tests.helpers.tasks import digest
+
+
+def sample(name: str, transport: str) -> float:
+    return REGISTRY.get_sample_value(name, {"transport": transport}) or 0.0
+
+
+def test_real_transfer_is_recorded_everywhere(agent, worker):
+    ref, expected = worker.call("tests.helpers.tasks:put_and_return", 3 << 20)
+    before = (sample("tensorwire_transfers_total", "shm"), sample("tensorwire_transfer_bytes_total", "shm"))
+    assert digest(tw.get(ref, transport="shm")) == expected
+    record = tw.stats()["recent"][-1]
+    assert (record.transport, record.nbytes) == ("shm", 3 << 20)
+    assert record.src == ref._desc.owner.agent_id and record.dst == agent.peer.agent_id
+    assert "forced" in record.reason and record.duration_s > 0
+    assert sample("tensorwire_transfers_total", "shm") == before[0] + 1
+    assert sample("tensorwire_transfer_bytes_total", "shm") == before[1] + (3 << 20)
+    assert REGISTRY.get_sample_value("tensorwire_transfer_seconds_count", {"transport": "shm"}) >= 1
+    assert tw.stats()["transfers"]["shm"]["nbytes"] >= 3 << 20
+
+
+def test_failing_observer_does_not_fail_the_transfer(worker):
+    seen = []
+
+    def broken(record):
+        seen.append(record.transport)
+        raise RuntimeError("observer bug")
+
+    metrics.add_observer(broken)
+    try:
+        ref, expected = worker.call("tests.helpers.tasks:put_and_return", 1 << 20)
+        assert digest(tw.get(ref, transport="host")) == expected
+        assert seen == ["host"]
+    finally:
+        metrics.remove_observer(broken)
