@@ -187,12 +187,8 @@ def _publish(result: Any, options: MethodOptions) -> bytes:
     if options.snapshot:
         skeleton, tensors, _ = values.flatten(result)
         result = values.unflatten(skeleton, [t.clone() for t in tensors])
-    ref = put(result)
-    agent = runtime_agent()
-    state = ref._resolve()
-    handles = agent.export_handles(state.desc)
-    pin_id = b"" if "inline" in handles else agent.ref_pickled(state.desc)  # held until the caller registers
-    return RefState(state.desc, state.skeleton_bytes, handles, pin_id, options.transport).to_bytes()
+    state = put(result)._outgoing_state()  # pinned until the caller registers
+    return state._replace(transport=options.transport).to_bytes()
 
 
 def _materialize(result: Any) -> Any:

@@ -192,10 +192,16 @@ class Ref:
             if reduced is not None:
                 return reduced
             self._state = self._pending.wait(0)  # resolved meanwhile: travel as a direct ref
+        return (Ref, (self._outgoing_state(),))
+
+    def _outgoing_state(self) -> RefState:
+        """The state for a copy of this reference that leaves the process: the owner exports
+        one-sided handles first, and the object is pinned until the copy is received (unless
+        its bytes travel inline)."""
         state = self._resolve()
         agent = runtime_agent()
         handles = state.handles
         if state.desc.owner.agent_id == agent.peer.agent_id:
             handles = agent.export_handles(state.desc)
         pin_id = b"" if "inline" in handles else agent.ref_pickled(state.desc)
-        return (Ref, (state._replace(handles=handles, pin_id=pin_id),))
+        return state._replace(handles=handles, pin_id=pin_id)

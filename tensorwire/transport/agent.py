@@ -89,6 +89,11 @@ class _Entry:
     handles: dict[str, bytes] | None = None
     export_lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @property
+    def unreferenced(self) -> bool:
+        """No local reference, no holder, no pin: the owner may free it."""
+        return self.local_refs <= 0 and not self.holders and not self.pins
+
 
 @dataclass
 class _Held:
@@ -169,8 +174,17 @@ class Agent(TransportContext):
         self._config = config
 
     def _refresh_transports(self) -> None:
-        """Instantiate newly registered transports and publish the usable ones in ``peer``."""
-        for name in registry.registered_transports():
+        """Instantiate newly registered transports, cache every registered transport's
+        capabilities for the selector, and publish the usable ones in ``peer``."""
+        self._registry_version = registry.version()
+        names = registry.registered_transports()
+        self._capabilities: dict[str, Capabilities] = {}
+        for name in names:
+            try:
+                self._capabilities[name] = registry.get_transport_class(name).capabilities
+            except Exception:  # noqa: BLE001 - a broken plug-in is simply not a candidate
+                continue
+        for name in names:
             if name in self._transports or name in self._unusable:
                 continue
             try:
@@ -184,20 +198,9 @@ class Agent(TransportContext):
                 self._unusable[name] = reason
                 logger.debug("transport %s not usable here: %s", name, reason)
         for name in list(self._transports):
-            if name not in registry.registered_transports():
+            if name not in names:
                 self._transports.pop(name).close()
         self._peer = replace(self._peer, transports=tuple(self._transports))
-
-    def transport(self, name: str) -> Transport:
-        """The usable transport instance ``name`` (raises ``TransportUnavailableError``-like errors)."""
-        if name not in self._transports:
-            self._refresh_transports()
-        if name in self._transports:
-            return self._transports[name]
-        if name in self._unusable:
-            raise NoTransportError(f"transport {name!r} is not usable in this process: {self._unusable[name]}")
-        registry.get_transport_class(name)  # raises "unknown transport ... did you mean"
-        raise NoTransportError(f"transport {name!r} is not usable in this process")
 
     def unusable_transports(self) -> dict[str, str]:
         """Registered transports that cannot run here, with the reason."""
@@ -209,7 +212,7 @@ class Agent(TransportContext):
         self, tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], packed_nbytes: int
     ) -> ObjectDescriptor:
         """Producer: keep ``tensors`` under a new object id; the caller attaches a reference next."""
-        if set(registry.registered_transports()) != set(self._transports) | set(self._unusable):
+        if registry.version() != self._registry_version:
             self._refresh_transports()
         object_id = secrets.token_bytes(16)
         token = secrets.token_bytes(16)
@@ -310,10 +313,6 @@ class Agent(TransportContext):
                 logger.warning("transport %s failed to release an object", transport.name, exc_info=True)
         stored.tensors = []
 
-    def _maybe_free(self, entry: _Entry) -> None:
-        if entry.local_refs <= 0 and not entry.holders and not entry.pins:
-            self._free(entry)
-
     def owned_objects(self) -> int:
         """How many objects this process owns right now."""
         with self._lock:
@@ -335,7 +334,7 @@ class Agent(TransportContext):
                 if entry is None:
                     return
                 entry.local_refs -= 1
-                free = entry.local_refs <= 0 and not entry.holders and not entry.pins
+                free = entry.unreferenced
             if free:
                 self._free(entry)
             return
@@ -375,7 +374,7 @@ class Agent(TransportContext):
             if entry is None:
                 return
             self._apply_holder_op(entry, HolderOpKind.UNPIN, self._peer.agent_id, pin_id, time.monotonic())
-            free = entry.local_refs <= 0 and not entry.holders and not entry.pins
+            free = entry.unreferenced
         if free:
             self._free(entry)
 
@@ -428,12 +427,7 @@ class Agent(TransportContext):
                 to_free.append(entry)
         for entry in to_free:
             with self._lock:
-                free = (
-                    entry.stored.object_id in self._objects
-                    and entry.local_refs <= 0
-                    and not entry.holders
-                    and not entry.pins
-                )
+                free = entry.stored.object_id in self._objects and entry.unreferenced
             if free:
                 self._free(entry)
         return messages["HolderReply"](applied=applied, rejected=rejected)
@@ -480,7 +474,7 @@ class Agent(TransportContext):
                     )
                 if dead & entry.holders:
                     entry.holders -= dead
-                if (expired or dead) and entry.local_refs <= 0 and not entry.holders and not entry.pins:
+                if (expired or dead) and entry.unreferenced:
                     to_free.append(entry)
             for pin_id in [p for p, expiry in self._early_unpins.items() if expiry <= now]:
                 del self._early_unpins[pin_id]
@@ -702,21 +696,15 @@ class Agent(TransportContext):
         forced = transport or self.config.transport
         if forced:
             registry.get_transport_class(forced)  # unknown names: "did you mean"
-        if forced and forced not in self._transports:
+        if registry.version() != self._registry_version:
             self._refresh_transports()
         summary = selector.ObjectSummary(
             nbytes=desc.nbytes,
             memory=frozenset(m.memory for m in desc.metas) or frozenset({MemoryKind.HOST}),
             exported=frozenset(handles),
         )
-        capabilities: dict[str, Capabilities] = {}
-        for name in registry.registered_transports():
-            try:
-                capabilities[name] = registry.get_transport_class(name).capabilities
-            except Exception:  # noqa: BLE001 - a broken plug-in is simply not a candidate
-                continue
         selection = selector.select(
-            desc.owner, self._peer, summary, capabilities, usable_here=frozenset(self._transports), forced=forced
+            desc.owner, self._peer, summary, self._capabilities, usable_here=frozenset(self._transports), forced=forced
         )
         if not selection.choices:
             hint = " (forced by argument or TENSORWIRE_TRANSPORT)" if forced else ""

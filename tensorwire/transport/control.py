@@ -260,31 +260,31 @@ class ControlClient:
                     del self._channels[address]
             return start(self._channel(address))
 
+    @staticmethod
+    def _unary(channel: grpc.Channel, method: str, request: Any, reply_type: str) -> Any:
+        return channel.unary_unary(
+            f"/{_SERVICE}/{method}",
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=messages[reply_type].FromString,
+        )
+
     def call(self, address: str, method: str, request: Any, reply_type: str, *, timeout_s: float) -> Any:
         """One unary call; raises ``grpc.RpcError`` (callers map it with :func:`map_rpc_error`)."""
-
-        def start(channel: grpc.Channel) -> Any:
-            stub = channel.unary_unary(
-                f"/{_SERVICE}/{method}",
-                request_serializer=type(request).SerializeToString,
-                response_deserializer=messages[reply_type].FromString,
-            )
-            return stub(request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=False)
-
-        return self._invoke(address, start)
+        return self._invoke(
+            address,
+            lambda channel: self._unary(channel, method, request, reply_type)(
+                request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=False
+            ),
+        )
 
     def call_async(self, address: str, method: str, request: Any, reply_type: str, *, timeout_s: float) -> Any:
         """Start one unary call; ``.result()`` on the returned future blocks (and raises) like :meth:`call`."""
-
-        def start(channel: grpc.Channel) -> Any:
-            stub = channel.unary_unary(
-                f"/{_SERVICE}/{method}",
-                request_serializer=type(request).SerializeToString,
-                response_deserializer=messages[reply_type].FromString,
-            )
-            return stub.future(request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=False)
-
-        return self._invoke(address, start)
+        return self._invoke(
+            address,
+            lambda channel: self._unary(channel, method, request, reply_type).future(
+                request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=False
+            ),
+        )
 
     def stream(self, address: str, request: Any, *, timeout_s: float) -> Any:
         """Start a ``Transfer`` stream; the returned iterator yields raw chunks (``cancel()`` aborts)."""

@@ -18,6 +18,7 @@ __all__ = [
     "register_transport",
     "registered_transports",
     "unregister_transport",
+    "version",
 ]
 
 BUILTIN_TRANSPORTS: dict[str, str] = {
@@ -30,6 +31,7 @@ BUILTIN_TRANSPORTS: dict[str, str] = {
 _lock = threading.Lock()
 _entries: dict[str, str | type[Transport]] = dict(BUILTIN_TRANSPORTS)
 _loaded: dict[str, type[Transport]] = {}
+_version = 0  # bumped on every change, so users of the registry can cache what they derive
 
 
 def register_transport(name: str, target: str | type[Transport], *, replace: bool = False) -> None:
@@ -51,26 +53,35 @@ def register_transport(name: str, target: str | type[Transport], *, replace: boo
             raise ValueError(f"transport target must look like 'package.module:Class', got {target!r}")
     elif not (isinstance(target, type) and issubclass(target, Transport)):
         raise TypeError(f"transport target must be a Transport subclass or 'module:Class', got {target!r}")
+    global _version
     with _lock:
         if name in _entries and not replace:
             raise ValueError(f"transport {name!r} is already registered; pass replace=True to override")
         _entries[name] = target
         _loaded.pop(name, None)
+        _version += 1
 
 
 def unregister_transport(name: str) -> None:
     """Remove a registered transport (built-ins included). Unknown names raise ``ValueError``."""
+    global _version
     with _lock:
         if name not in _entries:
             raise ValueError(_unknown_message(name))
         del _entries[name]
         _loaded.pop(name, None)
+        _version += 1
 
 
 def registered_transports() -> list[str]:
     """Names of every registered transport, in registration order."""
     with _lock:
         return list(_entries)
+
+
+def version() -> int:
+    """A number that changes whenever a transport is registered or unregistered."""
+    return _version
 
 
 def get_transport_class(name: str) -> type[Transport]:
