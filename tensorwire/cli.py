@@ -170,7 +170,32 @@ def _doctor() -> list[tuple[str, str, str]]:
         for conn, process in peers.values():
             conn.send(None)
             process.join(10)
+    results.extend(_ucx_report(agent))
     return results
+
+
+def _ucx_report(agent: Any) -> list[tuple[str, str, str]]:
+    """Which UCX transports are active here, and what is missing for fast cross-node paths."""
+    from tensorwire.errors import TransportError
+
+    transport = agent._transports.get("ucx")
+    if transport is None:
+        return []
+    try:
+        active = transport.worker().transports
+    except TransportError as e:
+        return [("UCX transports", "fail", str(e))]
+    line = ", ".join(active)
+    if not set(active) & {"rc", "rc_mlx5", "rc_verbs", "ud", "ud_mlx5", "ud_verbs", "dc", "dc_mlx5"}:
+        return [
+            (
+                "UCX transports",
+                "warn",
+                f"{line}; no InfiniBand/RoCE: across nodes UCX uses TCP "
+                "(a system UCX built with verbs is used with RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true)",
+            )
+        ]
+    return [("UCX transports", "ok", line)]
 
 
 def main(argv: list[str] | None = None) -> int:

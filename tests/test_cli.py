@@ -26,7 +26,8 @@ def test_topo_json_describes_this_node():
     assert report["node_id"] == "cli-node" and report["machine_id"] != "cli-node"
     assert report["cpus"] == os.cpu_count()
     assert report["shared_memory"]["total_nbytes"] > 0
-    assert report["transports"] == {"local": "usable", "inline": "usable", "shm": "usable", "host": "usable"}
+    usable = {"local", "inline", "shm", "host", "gloo", "ucx"}  # ucxx is in the test extra
+    assert report["transports"] == dict.fromkeys(usable, "usable")
     nvidia = report["accelerators"]["nvidia"]
     assert nvidia["resource"] == "GPU" and nvidia["visibility_env"] == ["CUDA_VISIBLE_DEVICES"]
     if not nvidia["devices"]:
@@ -57,9 +58,19 @@ def test_doctor_checks_every_transport_with_a_real_transfer():
     code, results = run_doctor()
     assert code == 0, results
     ok = {r["check"] for r in results if r["status"] == "ok"}
-    assert {"transport local", "transport inline", "transport shm", "transport host"} <= ok
+    assert {
+        "transport local",
+        "transport inline",
+        "transport shm",
+        "transport host",
+        "transport gloo",
+        "transport ucx",
+    } <= ok
     details = {(r["check"], r["detail"]) for r in results}
-    assert ("transport host", "other node, 1024 KiB") in details  # the cross-node path was exercised
+    for name in ("host", "gloo", "ucx"):  # the cross-node paths were exercised
+        assert (f"transport {name}", "other node, 1024 KiB") in details
+    ucx = next(r for r in results if r["check"] == "UCX transports")  # which UCX transports are active
+    assert ucx["status"] == "warn" and "tcp" in ucx["detail"] and "no InfiniBand" in ucx["detail"]
     nvml = next(r for r in results if r["check"] == "NVML")
     assert nvml["status"] in ("ok", "warn") and nvml["detail"]
 

@@ -123,6 +123,8 @@ class Agent(TransportContext):
         self._counters: dict[str, list[int]] = {}
         self._closed = threading.Event()
         self._serving_now = 0
+        self._rendezvous: collections.OrderedDict[str, dict[str, bytes]] = collections.OrderedDict()
+        self._rendezvous_changed = threading.Condition(self._lock)
         self.pid = os.getpid()
 
         token = cluster_token()
@@ -482,6 +484,15 @@ class Agent(TransportContext):
             self._free(entry)
         if dead:
             logger.info("released the holds of %d exited process(es)", len(dead))
+            for agent_id in dead:
+                self._forget_peer(agent_id)
+
+    def _forget_peer(self, agent_id: str) -> None:
+        for transport in list(self._transports.values()):
+            try:
+                transport.forget_peer(agent_id)
+            except Exception:
+                logger.warning("transport %s failed to forget agent %s", transport.name, agent_id, exc_info=True)
 
     def _holder_alive(self, peer: PeerInfo, now: float) -> bool:
         if peer.same_machine(self._peer):
@@ -577,6 +588,26 @@ class Agent(TransportContext):
             )
         return self._serving(transport.serve(entry.stored, request.params))
 
+    def handle_connect(self, request: Any) -> Any:
+        transport = self._transports.get(request.transport)
+        if transport is None or transport.capabilities.one_sided:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"transport {request.transport!r} takes no connections here"
+            )
+        try:
+            answer = transport.accept(decode_peer(request.sender), request.payload)
+        except TensorwireError as e:
+            raise RequestError(
+                grpc.StatusCode.ABORTED, f"{request.transport}: accepting a connection failed: {e}"
+            ) from None
+        return messages["ConnectReply"](payload=answer)
+
+    def handle_rendezvous(self, request: Any) -> Any:
+        if len(request.value) > _RENDEZVOUS_MAX_VALUE or not request.group or not request.key:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "malformed rendezvous key")
+        self._rendezvous_put(request.group, request.key, request.value)
+        return messages["RendezvousReply"]()
+
     def _serving(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
         """Count a served stream while it runs (it ends when done, failed, or cancelled)."""
         with self._lock:
@@ -609,6 +640,54 @@ class Agent(TransportContext):
                 "its tensors are gone"
             )
         return error
+
+    def connect(
+        self, peer: PeerInfo, transport: str, payload: bytes, *, timeout_s: float, concurrently: Callable[[], None]
+    ) -> bytes:
+        message = messages["ConnectRequest"](transport=transport, sender=encode_peer(self._peer), payload=payload)
+        what = f"{transport} connection to agent {peer.agent_id}"
+        try:
+            future = self._client.call_async(
+                self._address(peer), "Connect", message, "ConnectReply", timeout_s=max(0.05, timeout_s)
+            )
+        except grpc.RpcError as e:
+            raise self._owner_error(peer, map_rpc_error(e, what)) from None
+        try:
+            concurrently()
+        except BaseException:
+            future.cancel()
+            raise
+        try:
+            return future.result().payload
+        except grpc.RpcError as e:
+            raise self._owner_error(peer, map_rpc_error(e, what)) from None
+
+    def _rendezvous_put(self, group: str, key: str, value: bytes) -> None:
+        with self._rendezvous_changed:
+            self._rendezvous.setdefault(group, {})[key] = value
+            self._rendezvous.move_to_end(group)
+            while len(self._rendezvous) > _RENDEZVOUS_MAX_GROUPS:
+                self._rendezvous.popitem(last=False)
+            self._rendezvous_changed.notify_all()
+
+    def rendezvous_set(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
+        self._rendezvous_put(group, key, value)
+        message = messages["RendezvousRequest"](group=group, key=key, value=value)
+        self._ask(peer, "Rendezvous", message, "RendezvousReply", timeout_s=timeout_s)
+
+    def rendezvous_get(self, group: str, key: str, *, timeout_s: float) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        with self._rendezvous_changed:
+            while (value := self._rendezvous.get(group, {}).get(key)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(f"rendezvous {group}: key {key!r} not set before the deadline")
+                self._rendezvous_changed.wait(left)
+            return value
+
+    def rendezvous_forget(self, group: str) -> None:
+        with self._lock:
+            self._rendezvous.pop(group, None)
 
     def check_owner(self, request: FetchRequest) -> None:
         owner = request.owner
@@ -811,6 +890,10 @@ class Agent(TransportContext):
                 logger.warning("transport %s failed to close", transport.name, exc_info=True)
         self._server.stop(grace_s=0.2)
         self._client.close()
+
+
+_RENDEZVOUS_MAX_GROUPS = 256  # groups being connected at once; older ones are dropped
+_RENDEZVOUS_MAX_VALUE = 64 * 1024
 
 
 def _empty_host(meta: TensorMeta) -> torch.Tensor:

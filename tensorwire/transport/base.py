@@ -13,7 +13,9 @@ capability             methods
 =====================  ==========================================================
 every transport        ``fetch`` (consumer), ``release`` (producer, may be a no-op)
 ``needs_export``       ``export`` (producer)
-``one_sided=False``    ``serve`` (producer, on an agent service thread)
+``one_sided=False``    ``serve`` (producer, on an agent service thread); transports
+                       built on :class:`~tensorwire.transport.two_sided.TwoSidedTransport`
+                       implement its connection and post hooks instead
 ``zero_copy_view``     ``view`` (consumer)
 =====================  ==========================================================
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -238,6 +240,28 @@ class TransportContext(ABC):
         """Consumer in the owner's own process: the stored object (raises if freed or token wrong)."""
 
     @abstractmethod
+    def connect(
+        self, peer: PeerInfo, transport: str, payload: bytes, *, timeout_s: float, concurrently: Callable[[], None]
+    ) -> bytes:
+        """Consumer: ask ``peer``'s agent to ``accept`` a connection of ``transport``.
+
+        ``concurrently`` runs in this thread while the peer accepts (both sides of a
+        rendezvous must run at once); the peer's answer is returned. Raises mapped errors.
+        """
+
+    @abstractmethod
+    def rendezvous_set(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
+        """Either side of a connection: publish ``key`` of ``group`` here and at ``peer``."""
+
+    @abstractmethod
+    def rendezvous_get(self, group: str, key: str, *, timeout_s: float) -> bytes:
+        """Either side: the value of ``key`` of ``group`` once set here or pushed by the peer."""
+
+    @abstractmethod
+    def rendezvous_forget(self, group: str) -> None:
+        """Drop every key of ``group`` (its connection is made or abandoned)."""
+
+    @abstractmethod
     def check_owner(self, request: FetchRequest) -> None:
         """Consumer: raise ``OwnerDiedError``/``ObjectFreedError``/... if the object is gone.
 
@@ -280,6 +304,14 @@ class Transport(ABC):
         The items yielded travel to the consumer's ``context.open_stream`` in order.
         """
         raise TransportUnavailableError(f"transport {self.name!r} is not two-sided")
+
+    def accept(self, peer: PeerInfo, payload: bytes) -> bytes:
+        """Producer, on an agent service thread: set up a connection ``peer`` asked for with
+        ``TransportContext.connect``; returns the answer for the peer. Two-sided only."""
+        raise TransportUnavailableError(f"transport {self.name!r} takes no connections")
+
+    def forget_peer(self, agent_id: str) -> None:  # noqa: B027 - optional hook
+        """Any process: the agent learned that ``agent_id`` is gone; drop what is tied to it."""
 
     @abstractmethod
     def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:

@@ -99,6 +99,8 @@ class ControlHandler(Protocol):
     def handle_free(self, request: Any) -> Any: ...
     def handle_export(self, request: Any) -> Any: ...
     def handle_transfer(self, request: Any) -> Iterator[bytes]: ...
+    def handle_connect(self, request: Any) -> Any: ...
+    def handle_rendezvous(self, request: Any) -> Any: ...
 
 
 class RequestError(Exception):
@@ -137,6 +139,8 @@ class ControlServer:
             "Holders": (self._handler.handle_holders, "HolderBatch", "HolderReply"),
             "Free": (self._handler.handle_free, "ObjectRequest", "StatusReply"),
             "Export": (self._handler.handle_export, "TransferRequest", "ExportReply"),
+            "Connect": (self._handler.handle_connect, "ConnectRequest", "ConnectReply"),
+            "Rendezvous": (self._handler.handle_rendezvous, "RendezvousRequest", "RendezvousReply"),
         }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(

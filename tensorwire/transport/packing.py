@@ -97,3 +97,30 @@ class ByteSink:
         """Raise ``TransferAbortedError`` unless every expected byte arrived."""
         if self.received_nbytes != self.expected_nbytes:
             raise TransferAbortedError(f"transfer ended after {self.received_nbytes} of {self.expected_nbytes} bytes")
+
+
+def message_plan(nbytes: Sequence[int], *, small_nbytes: int, pack_nbytes: int) -> list[list[int]]:
+    """Group tensors (by index) into messages for a two-sided transfer.
+
+    A tensor of at least ``small_nbytes`` bytes is a message of its own (sent from and
+    received into the tensor itself); smaller ones, in order, share messages of up to
+    ``pack_nbytes`` bytes (packed by the producer, unpacked by the consumer). Empty tensors
+    are in no message. Both sides compute the same plan from the same metadata.
+    """
+    plan: list[list[int]] = []
+    packed: list[int] = []
+    packed_nbytes = 0
+    for index, size in enumerate(nbytes):
+        if size == 0:
+            continue
+        if size >= small_nbytes:
+            plan.append([index])
+            continue
+        if packed and packed_nbytes + size > pack_nbytes:
+            plan.append(packed)
+            packed, packed_nbytes = [], 0
+        packed.append(index)
+        packed_nbytes += size
+    if packed:
+        plan.append(packed)
+    return plan

@@ -26,6 +26,8 @@ BUILTIN_TRANSPORTS: dict[str, str] = {
     "inline": "tensorwire.transport.inline:InlineTransport",
     "shm": "tensorwire.transport.shm:ShmTransport",
     "host": "tensorwire.transport.host:HostTransport",
+    "gloo": "tensorwire.transport.gloo:GlooTransport",
+    "ucx": "tensorwire.transport.ucx:UcxTransport",
 }
 
 _lock = threading.Lock()

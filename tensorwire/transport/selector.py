@@ -34,6 +34,8 @@ DEFAULT_COSTS: dict[str, CostEstimate] = {
     "inline": CostEstimate(fixed_us=5, bandwidth_gbps=2.0),
     "shm": CostEstimate(fixed_us=60, bandwidth_gbps=5.0),
     "host": CostEstimate(fixed_us=1500, bandwidth_gbps=1.0),
+    "ucx": CostEstimate(fixed_us=1500, bandwidth_gbps=4.0),
+    "gloo": CostEstimate(fixed_us=1700, bandwidth_gbps=2.0),
 }
 UNKNOWN_COST = CostEstimate(fixed_us=5000, bandwidth_gbps=0.5)
 

@@ -22,6 +22,10 @@ Equivalent ``.proto``::
     message ExportReply { bytes handle = 1; }
     message TransferRequest { bytes object_id = 1; bytes token = 2; string transport = 3;
                               bytes params = 4; Peer sender = 5; }
+    message ConnectRequest { string transport = 1; Peer sender = 2; bytes payload = 3; }
+    message ConnectReply { bytes payload = 1; }
+    message RendezvousRequest { string group = 1; string key = 2; bytes value = 3; }
+    message RendezvousReply { }
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ _SCHEMA: dict[str, list[tuple[str, str, bool]]] = {
     "ExportReply": [("handle", "bytes", False)],
     "TransferRequest": [("object_id", "bytes", False), ("token", "bytes", False), ("transport", "string", False),
                         ("params", "bytes", False), ("sender", "Peer", False)],
+    "ConnectRequest": [("transport", "string", False), ("sender", "Peer", False), ("payload", "bytes", False)],
+    "ConnectReply": [("payload", "bytes", False)],
+    "RendezvousRequest": [("group", "string", False), ("key", "string", False), ("value", "bytes", False)],
+    "RendezvousReply": [],
 }  # fmt: skip
 
 _PACKAGE = "tensorwire.control.v1"

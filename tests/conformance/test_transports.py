@@ -21,7 +21,7 @@ from tests.helpers.tasks import digest
 
 file_transport.register()
 
-CROSS_NODE = {"inline", "host"}  # transports that can reach another node
+CROSS_NODE = {"inline", "host", "gloo", "ucx"}  # transports that can reach another node
 
 
 @pytest.fixture(scope="module")

@@ -160,3 +160,33 @@ def get_outcome(ref: tw.Ref, **kwargs: Any) -> str:
     except Exception as e:
         return type(e).__name__
     return "ok via " + tw.stats()["recent"][-1].transport
+
+
+def get_concurrently(refs: list[tw.Ref], transport: str) -> list[str]:
+    """Digests of ``refs`` fetched at once, one thread each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(refs)) as pool:
+        return list(pool.map(lambda r: get_digest(r, transport=transport), refs))
+
+
+def two_sided_connections(transport: str) -> int:
+    from tensorwire.transport.agent import get_agent
+
+    return get_agent()._transports[transport].connections()
+
+
+def forget_connections(transport: str) -> int:
+    """Drop every connection of ``transport`` in this process (as after a peer loss)."""
+    from tensorwire.transport.agent import get_agent
+
+    instance = get_agent()._transports[transport]
+    for agent_id in {c.peer.agent_id for c in (*instance._outgoing.values(), *instance._incoming.values())}:
+        instance.forget_peer(agent_id)
+    return instance.connections()
+
+
+def ucx_active_transports() -> list[str]:
+    from tensorwire.transport.agent import get_agent
+
+    return get_agent()._transports["ucx"].worker().transports

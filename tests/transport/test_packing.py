@@ -41,3 +41,13 @@ def test_sink_rejects_overrun_and_short_streams():
     short.write(b"ab")
     with pytest.raises(TransferAbortedError, match="2 of 4 bytes"):
         short.finish()
+
+
+def test_message_plan_packs_small_tensors_and_keeps_large_ones_alone():
+    from tensorwire.transport.packing import message_plan
+
+    sizes = [10, 0, 100, 5000, 20, 30, 6000, 40]
+    plan = message_plan(sizes, small_nbytes=1000, pack_nbytes=100)
+    assert plan == [[0], [3], [2], [6], [4, 5, 7]]  # larges alone; smalls in order, <= 100 B per message
+    assert sorted(i for message in plan for i in message) == [i for i, n in enumerate(sizes) if n]
+    assert message_plan([], small_nbytes=1, pack_nbytes=1) == []

@@ -7,11 +7,13 @@ from dataclasses import replace
 import pytest
 
 from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
+from tensorwire.transport.gloo import GlooTransport
 from tensorwire.transport.host import HostTransport
 from tensorwire.transport.inline import InlineTransport
 from tensorwire.transport.local import LocalTransport
 from tensorwire.transport.selector import ObjectSummary, select
 from tensorwire.transport.shm import ShmTransport
+from tensorwire.transport.ucx import UcxTransport
 
 CAPS = {t.name: t.capabilities for t in (LocalTransport, InlineTransport, ShmTransport, HostTransport)}
 ALL = frozenset(CAPS)
@@ -105,3 +107,45 @@ def test_estimates_grow_with_size(nbytes):
     small = select(A, B, summary(nbytes), CAPS, usable_here=ALL).choices
     large = select(A, B, summary(nbytes + (1 << 20)), CAPS, usable_here=ALL).choices
     assert all(s.estimate_s < g.estimate_s for s, g in zip(small, large, strict=True))
+
+
+WITH_TWO_SIDED = {**CAPS, "ucx": UcxTransport.capabilities, "gloo": GlooTransport.capabilities}
+EVERYWHERE = replace(A, transports=tuple(WITH_TWO_SIDED))
+
+
+@pytest.mark.parametrize("nbytes", [1 << 20, 64 << 20, 1 << 30])
+def test_cross_node_picks_ucx_when_installed(nbytes):
+    far = replace(EVERYWHERE, agent_id="far", node_id="n2", machine_id="m2")
+    sel = select(EVERYWHERE, far, summary(nbytes), WITH_TWO_SIDED, usable_here=frozenset(WITH_TWO_SIDED))
+    assert sel.best == "ucx"
+    assert sel.reason.startswith("cross node (n1 -> n2)") and "ucx (fastest estimate" in sel.reason
+    assert "different node" in dict(sel.rejected)["shm"]
+
+
+@pytest.mark.parametrize(("nbytes", "expected"), [(16 << 10, "host"), (64 << 20, "gloo")])
+def test_cross_node_without_ucx_picks_gloo_or_host_by_size(nbytes, expected):
+    far = replace(EVERYWHERE, agent_id="far", node_id="n2", machine_id="m2")
+    usable = frozenset(WITH_TWO_SIDED) - {"ucx"}
+    sel = select(EVERYWHERE, far, summary(nbytes), WITH_TWO_SIDED, usable_here=usable)
+    assert sel.best == expected
+    assert {c.transport for c in sel.choices} == {"gloo", "host"}
+    assert dict(sel.rejected)["ucx"] == "not usable in this process"
+
+
+def test_ucx_is_skipped_when_the_producer_lacks_it():
+    far = replace(EVERYWHERE, agent_id="far", node_id="n2", machine_id="m2")
+    producer = replace(EVERYWHERE, transports=("local", "inline", "shm", "host", "gloo"))
+    sel = select(producer, far, summary(64 << 20), WITH_TWO_SIDED, usable_here=frozenset(WITH_TWO_SIDED))
+    assert sel.best == "gloo"
+    assert dict(sel.rejected)["ucx"] == "producer does not offer it"
+
+
+def test_same_node_prefers_shm_over_two_sided():
+    sel = select(
+        EVERYWHERE,
+        replace(EVERYWHERE, agent_id="b", pid=2),
+        summary(256 << 20),
+        WITH_TWO_SIDED,
+        usable_here=frozenset(WITH_TWO_SIDED),
+    )
+    assert [c.transport for c in sel.choices][:2] == ["shm", "ucx"]

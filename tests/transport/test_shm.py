@@ -45,7 +45,7 @@ def test_segments_of_a_killed_producer_are_removed_by_the_next_agent():
         w.close()
 
 
-def test_full_dev_shm_falls_back_to_host_with_a_warning(agent, worker, monkeypatch):
+def test_full_dev_shm_falls_back_to_a_two_sided_transport_with_a_warning(agent, worker, monkeypatch):
     def no_room(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -56,6 +56,8 @@ def test_full_dev_shm_falls_back_to_host_with_a_warning(agent, worker, monkeypat
     with pytest.warns(RuntimeWarning, match="shm could not export"):
         blob = pickle.dumps(ref)
     got_digest, used = worker.call("tests.helpers.tasks:get_transport", pickle.loads(blob))
+    assert (got_digest, used) == (digest(value), "ucx")  # next in the ranking: shm, ucx, host, gloo
+    got_digest, used = worker.call("tests.helpers.tasks:get_transport", pickle.loads(blob), transport="host")
     assert (got_digest, used) == (digest(value), "host")
 
 

@@ -1,0 +1,329 @@
+"""The two-sided transfer protocol, one implementation shared by ucx, gloo and nccl.
+
+Both sides take part in a two-sided transfer. Per pair of agents a transport first makes a
+*connection* (an endpoint, a process group): the consumer calls ``Connect`` on the owner's
+control service, which runs :meth:`TwoSidedTransport.accept_connection` there while the
+consumer builds its side. Connections are cached, dropped when a transfer on them fails, and
+made again on the next transfer. Then, per transfer:
+
+1. the consumer picks a tag (unique in its process) and posts its receives into its own
+   buffers: one message per large tensor, small tensors packed into shared messages;
+2. it calls ``Transfer`` with (connection key, tag, deadline); the producer posts the
+   matching sends, answers ``posted`` and ends the call; a completion thread of the
+   producer waits for the sends (and drops the connection if they fail or time out);
+3. the consumer waits for its receives, checking every quarter second that the owner is
+   alive and still has the object, and unpacks the packed messages.
+
+Every wait is bounded by the request's deadline. A failure or abort on either side aborts
+the posted operations and drops that connection on that side, so both agents stay usable
+and the next transfer reconnects; other transfers in flight on other connections are not
+affected. Many transfers can be in flight per connection: tags keep them apart, so neither
+side ever waits for a slow transfer to post the next one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import struct
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from tensorwire.errors import PeerLostError, TransferAbortedError, TransferTimeoutError, TransportError
+from tensorwire.transport import topology
+from tensorwire.transport.base import FetchRequest, PeerInfo, StoredObject, Transport
+from tensorwire.transport.control import RequestError
+from tensorwire.transport.packing import byte_view, message_plan
+
+__all__ = ["Connection", "PostedOps", "TwoSidedTransport", "check_alive"]
+
+logger = logging.getLogger(__name__)
+
+_PARAMS = struct.Struct("!16sIQ")  # connection key, tag base, deadline in ms from now
+_POSTED = b"posted"
+_KEY_NBYTES = 16
+_TAG_SHIFT = 16  # low bits: message index within a transfer
+_MAX_MESSAGES = 1 << _TAG_SHIFT
+_TAG_SPACE = 1 << 15  # tag bases wrap here, so tags fit in 31 bits (gloo's limit)
+_UNKNOWN_CONNECTION = "unknown connection"
+
+
+@dataclass
+class Connection:
+    """One side of a connection between two agents; ``state`` belongs to the transport."""
+
+    key: bytes
+    peer: PeerInfo
+    state: Any
+
+
+def check_alive(peer: PeerInfo, what: str) -> None:
+    """Raise ``PeerLostError`` if ``peer`` ran on this machine and its process exited."""
+    if peer.machine_id == topology.machine_id() and not topology.process_alive(peer.pid, peer.start_time):
+        raise PeerLostError(f"{what}: peer process {peer.pid} exited")
+
+
+class PostedOps:
+    """Sends or receives posted by a transport for one transfer.
+
+    Subclasses implement :meth:`poll` and :meth:`abort`; :meth:`wait` is shared.
+    """
+
+    @abstractmethod
+    def poll(self) -> bool:
+        """True once every operation completed; raises ``TransportError`` if one failed."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Stop waiting; after this the buffers may no longer be written. Must not raise."""
+
+    def wait(self, deadline: float, check: Callable[[], None], what: str) -> None:
+        """Poll until done or the deadline (``TransferTimeoutError``); every quarter second
+        ``check()`` may raise to stop early (the peer exited or dropped the transfer)."""
+        pause = 20e-6
+        next_check = time.monotonic() + 0.25
+        while not self.poll():
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransferTimeoutError(f"{what}: not complete before the deadline")
+            if now >= next_check:
+                check()
+                next_check = time.monotonic() + 0.25
+            time.sleep(pause)
+            pause = min(pause * 2, 200e-6)
+
+
+class TwoSidedTransport(Transport):
+    """Base of two-sided transports: connections, tags, packing, deadlines and abort.
+
+    Subclasses implement :meth:`open_connection` (consumer), :meth:`accept_connection`
+    (producer), :meth:`post_sends`, :meth:`post_recvs` and :meth:`close_connection`.
+    """
+
+    small_message_nbytes = 64 * 1024
+    pack_nbytes = 4 * 1024 * 1024
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self._lock = threading.Lock()
+        self._outgoing: dict[str, Connection] = {}  # consumer side, by the owner's agent id
+        self._incoming: dict[bytes, Connection] = {}  # producer side, by connection key
+        self._connecting: dict[str, threading.Lock] = {}
+        self._tags = itertools.count(1)
+        self._completions = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"tensorwire-{self.name}-sends")
+
+    # ------------------------------------------------------------------ transport hooks
+
+    @abstractmethod
+    def open_connection(self, peer: PeerInfo, key: bytes, deadline: float) -> Any:
+        """Consumer: make this side of a connection to ``peer`` and have the peer accept it
+        (through ``self.context.connect(peer, self.name, key + payload, ...)``)."""
+
+    @abstractmethod
+    def accept_connection(self, peer: PeerInfo, payload: bytes) -> tuple[Any, bytes]:
+        """Producer: make this side of the connection ``peer`` asked for; returns
+        (state, answer for the peer)."""
+
+    @abstractmethod
+    def post_sends(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
+        """Producer: post one send per buffer (flat ``uint8`` tensors) under the matching tag."""
+
+    @abstractmethod
+    def post_recvs(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
+        """Consumer: post one receive per buffer (flat ``uint8`` tensors) under the matching tag."""
+
+    def close_connection(self, connection: Connection) -> None:
+        """Either side: free the connection's state. Must not raise."""
+
+    def prepare_send(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Producer: make the tensors' pending device work visible to the sends (CUDA)."""
+
+    # ------------------------------------------------------------------ connections
+
+    def _connection_to(self, owner: PeerInfo, deadline: float) -> Connection:
+        with self._lock:
+            connection = self._outgoing.get(owner.agent_id)
+            if connection is not None:
+                return connection
+            gate = self._connecting.setdefault(owner.agent_id, threading.Lock())
+        with gate:  # one connect per peer at a time; the others wait and reuse it
+            with self._lock:
+                connection = self._outgoing.get(owner.agent_id)
+            if connection is not None:
+                return connection
+            key = secrets.token_bytes(_KEY_NBYTES)
+            connection = Connection(key, owner, self.open_connection(owner, key, deadline))
+            with self._lock:
+                self._outgoing[owner.agent_id] = connection
+            logger.debug("%s: connected to agent %s", self.name, owner.agent_id)
+            return connection
+
+    def accept(self, peer: PeerInfo, payload: bytes) -> bytes:
+        if len(payload) < _KEY_NBYTES:
+            raise TransportError(f"{self.name}: malformed connection request")
+        key = payload[:_KEY_NBYTES]
+        state, answer = self.accept_connection(peer, payload[_KEY_NBYTES:])
+        with self._lock:
+            self._incoming[key] = Connection(key, peer, state)
+        return answer
+
+    def _drop(self, connection: Connection) -> None:
+        with self._lock:
+            dropped = False
+            if self._outgoing.get(connection.peer.agent_id) is connection:
+                del self._outgoing[connection.peer.agent_id]
+                dropped = True
+            if self._incoming.get(connection.key) is connection:
+                del self._incoming[connection.key]
+                dropped = True
+        if dropped:
+            logger.debug("%s: dropped connection with agent %s", self.name, connection.peer.agent_id)
+            self.close_connection(connection)
+
+    def forget_peer(self, agent_id: str) -> None:
+        with self._lock:
+            connections = [
+                c for c in (*self._outgoing.values(), *self._incoming.values()) if c.peer.agent_id == agent_id
+            ]
+        for connection in connections:
+            self._drop(connection)
+
+    def connections(self) -> int:
+        """Connections this process holds (both directions)."""
+        with self._lock:
+            return len(self._outgoing) + len(self._incoming)
+
+    def close(self) -> None:
+        self._completions.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            connections = [*self._outgoing.values(), *self._incoming.values()]
+        for connection in connections:
+            self._drop(connection)
+
+    # ------------------------------------------------------------------ messages
+
+    def _plan(self, nbytes: Sequence[int]) -> list[list[int]]:
+        plan = message_plan(nbytes, small_nbytes=self.small_message_nbytes, pack_nbytes=self.pack_nbytes)
+        if len(plan) > _MAX_MESSAGES:
+            raise TransportError(f"{self.name}: {len(plan)} messages in one transfer (at most {_MAX_MESSAGES})")
+        return plan
+
+    def _next_tags(self, count: int) -> list[int]:
+        base = (next(self._tags) % _TAG_SPACE) << _TAG_SHIFT
+        return [base | i for i in range(count)]
+
+    @staticmethod
+    def _send_buffers(plan: list[list[int]], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        buffers = []
+        for message in plan:
+            views = [byte_view(tensors[i]) for i in message]
+            buffers.append(views[0] if len(views) == 1 else torch.cat(views))
+        return buffers
+
+    @staticmethod
+    def _recv_buffers(plan: list[list[int]], dst: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        buffers = []
+        for message in plan:
+            if len(message) == 1:
+                buffers.append(byte_view(dst[message[0]]))
+            else:
+                nbytes = sum(dst[i].numel() * dst[i].element_size() for i in message)
+                buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=dst[message[0]].device))
+        return buffers
+
+    @staticmethod
+    def _unpack(plan: list[list[int]], buffers: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
+        for message, buffer in zip(plan, buffers, strict=True):
+            if len(message) == 1:
+                continue
+            start = 0
+            for i in message:
+                view = byte_view(dst[i])
+                view.copy_(buffer[start : start + view.numel()])
+                start += view.numel()
+
+    # ------------------------------------------------------------------ the protocol
+
+    def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
+        """Consumer: post receives into ``dst``, ask the owner to send, wait for both."""
+        plan = self._plan([m.nbytes for m in request.metas])
+        for attempt in (1, 2):
+            connection = self._connection_to(request.owner, request.deadline)
+            tags = self._next_tags(len(plan))
+            buffers = self._recv_buffers(plan, dst)
+            try:
+                posted = self.post_recvs(connection, tags, buffers)
+            except TransportError:
+                self._drop(connection)  # broken (its peer went away): the next attempt reconnects
+                if attempt == 1:
+                    continue
+                raise
+            deadline_ms = int(request.remaining_s() * 1000)
+            params = _PARAMS.pack(connection.key, tags[0] >> _TAG_SHIFT if tags else 0, deadline_ms)
+            what = f"{self.name} transfer of object {request.object_id.hex()} from agent {request.owner.agent_id}"
+            try:
+                answer = list(self.context.open_stream(request, self.name, params))
+                if answer != [_POSTED]:
+                    raise TransferAbortedError(f"{what}: the owner did not post its sends")
+                posted.wait(request.deadline, lambda: self.context.check_owner(request), what)
+            except TransportError as e:
+                posted.abort()
+                self._drop(connection)
+                if attempt == 1 and _UNKNOWN_CONNECTION in str(e) and request.remaining_s() > 0.1:
+                    logger.debug("%s: the owner no longer knows the connection; reconnecting", what)
+                    continue
+                raise
+            except BaseException:
+                posted.abort()
+                self._drop(connection)
+                raise
+            self._unpack(plan, buffers, dst)
+            return
+
+    def serve(self, obj: StoredObject, params: bytes) -> Iterator[bytes]:
+        """Producer, on an agent service thread: post the sends the consumer asked for."""
+        if len(params) != _PARAMS.size:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: malformed transfer parameters")
+        key, tag_base, deadline_ms = _PARAMS.unpack(params)
+        deadline = time.monotonic() + deadline_ms / 1000
+        with self._lock:
+            connection = self._incoming.get(key)
+        if connection is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name}: {_UNKNOWN_CONNECTION}")
+        plan = self._plan([m.nbytes for m in obj.metas])
+        tags = [(tag_base << _TAG_SHIFT) | i for i in range(len(plan))]
+        return self._serve(connection, plan, tags, obj.tensors, deadline)
+
+    def _serve(
+        self,
+        connection: Connection,
+        plan: list[list[int]],
+        tags: list[int],
+        tensors: Sequence[torch.Tensor],
+        deadline: float,
+    ) -> Iterator[bytes]:
+        self.prepare_send(tensors)
+        buffers = self._send_buffers(plan, tensors)
+        posted = self.post_sends(connection, tags, buffers)
+        self._completions.submit(self._complete, posted, connection, deadline)
+        yield _POSTED
+
+    def _complete(self, posted: PostedOps, connection: Connection, deadline: float) -> None:
+        """Producer, on a completion thread: wait for posted sends; drop the connection if
+        they fail or outlive the consumer's deadline (the consumer then reconnects)."""
+        what = f"{self.name} send to agent {connection.peer.agent_id}"
+        try:
+            posted.wait(deadline, lambda: check_alive(connection.peer, what), what)
+        except Exception as e:  # noqa: BLE001 - reported, and the connection is dropped
+            logger.info("%s failed: %s", what, e)
+            posted.abort()
+            self._drop(connection)

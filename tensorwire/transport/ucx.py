@@ -1,0 +1,176 @@
+"""``ucx``: host and CUDA memory between any two processes over UCX (``ucxx``), two-sided.
+
+One UCX worker per process, made on first use, with a progress thread in blocking mode that
+wakes at least every millisecond (``epoll_timeout``), so it never hangs and does not spin a
+core. Endpoints are made from worker addresses exchanged over the control service's
+``Connect`` call, one per peer and direction, and are cached; endpoint error handling is off,
+because with it on UCX excludes its shared-memory transports (and falls to TCP, about 5x
+slower here). Peer failure is therefore not left to UCX: the shared two-sided protocol
+bounds every wait by the request's deadline and checks the peer's process, drops the
+endpoint and reconnects on the next transfer.
+
+Tags are sent with ``tag_send``/``tag_recv`` straight from and into the tensors (no copy on
+receive); small tensors of one value are packed into few messages. Which UCX transports are
+active (``UCX_TLS`` selects them; a system UCX with InfiniBand is used when
+``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true``) is in :func:`active_transports` and
+``tensorwire doctor``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tensorwire.errors import TransportError
+from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
+from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport
+
+__all__ = ["UcxTransport", "active_transports"]
+
+logger = logging.getLogger(__name__)
+
+_EPOLL_TIMEOUT_MS = 1
+
+
+def active_transports(context_info: str) -> list[str]:
+    """UCX transport names in a UCP context's info text (e.g. ``["cma", "posix", "tcp"]``)."""
+    lines = re.findall(r"^#.*resource.*md.*dev.*flags.*$", context_info, re.MULTILINE)
+    return sorted({line.split()[-1].split("/")[0] for line in lines})
+
+
+class _Worker:
+    """The process's UCX context, worker and progress thread."""
+
+    def __init__(self) -> None:
+        # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer reads and warns about on stdout
+        # (breaking machine-readable output); a user's own setting is kept.
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        from ucxx._lib import libucxx as ucx_api
+        from ucxx._lib.arr import Array
+
+        self.api = ucx_api
+        self.array = Array
+        self.context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self.worker = ucx_api.UCXWorker(self.context)
+        self.worker.start_progress_thread(polling_mode=False, epoll_timeout=_EPOLL_TIMEOUT_MS)
+        self.address = bytes(self.worker.address)
+        self.transports = active_transports(self.context.info)
+        logger.debug("ucx worker started; active UCX transports: %s", ", ".join(self.transports))
+
+    def endpoint(self, address: bytes) -> Any:
+        remote = self.api.UCXAddress.create_from_buffer(address)
+        return self.api.UCXEndpoint.create_from_worker_address(self.worker, remote, False)
+
+    def buffer(self, tensor: torch.Tensor) -> Any:
+        return self.array(tensor.numpy() if tensor.device.type == "cpu" else tensor)
+
+    def close(self) -> None:
+        self.worker.stop_progress_thread()
+
+
+class _Requests(PostedOps):
+    def __init__(self, requests: list[Any], buffers: Sequence[torch.Tensor]) -> None:
+        self._requests = requests
+        self._buffers = buffers  # alive until the requests completed
+
+    def poll(self) -> bool:
+        for request in self._requests:
+            if not request.completed:
+                return False
+        for request in self._requests:
+            try:
+                request.check_error()
+            except Exception as e:  # noqa: BLE001 - ucxx raises its own hierarchy
+                raise TransportError(f"ucx operation failed: {type(e).__name__}: {e}") from None
+        return True
+
+    def abort(self) -> None:
+        """Requests are cancelled when the transport closes the endpoint (next step)."""
+
+
+class UcxTransport(TwoSidedTransport):
+    """UCX tag send/receive between any two processes; host and CUDA memory."""
+
+    name = "ucx"
+    capabilities = Capabilities(
+        one_sided=False,
+        same_process=False,
+        same_node=True,
+        cross_node=True,
+        memory=frozenset({MemoryKind.HOST, MemoryKind.CUDA}),
+        can_abort=True,
+    )
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self._worker: _Worker | None = None
+        self._worker_lock = threading.Lock()
+
+    def unavailable_reason(self) -> str | None:
+        if importlib.util.find_spec("ucxx") is None:
+            return "ucxx is not installed (pip install 'tensorwire[ucx]')"
+        return None
+
+    def worker(self) -> _Worker:
+        """The process's UCX worker, started on first use."""
+        with self._worker_lock:
+            if self._worker is None:
+                try:
+                    self._worker = _Worker()
+                except Exception as e:  # noqa: BLE001 - any failure of the native library
+                    raise TransportError(f"ucx: could not start a UCX worker: {type(e).__name__}: {e}") from None
+            return self._worker
+
+    def open_connection(self, peer: PeerInfo, key: bytes, deadline: float) -> Any:
+        worker = self.worker()
+        answer = self.context.connect(
+            peer, self.name, key + worker.address, timeout_s=deadline - time.monotonic(), concurrently=lambda: None
+        )
+        return worker.endpoint(answer)
+
+    def accept_connection(self, peer: PeerInfo, payload: bytes) -> tuple[Any, bytes]:
+        worker = self.worker()
+        try:
+            endpoint = worker.endpoint(payload)
+        except Exception as e:  # noqa: BLE001
+            raise TransportError(f"ucx: could not reach agent {peer.agent_id}: {type(e).__name__}: {e}") from None
+        return endpoint, worker.address
+
+    def post_sends(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
+        worker, endpoint = self.worker(), connection.state
+        requests = [
+            endpoint.tag_send(worker.buffer(b), worker.api.UCXXTag(t)) for t, b in zip(tags, buffers, strict=True)
+        ]
+        return _Requests(requests, buffers)
+
+    def post_recvs(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
+        worker, endpoint = self.worker(), connection.state
+        requests = [
+            endpoint.tag_recv(worker.buffer(b), worker.api.UCXXTag(t)) for t, b in zip(tags, buffers, strict=True)
+        ]
+        return _Requests(requests, buffers)
+
+    def close_connection(self, connection: Connection) -> None:
+        try:
+            connection.state.close()
+        except Exception:
+            logger.debug("ucx endpoint close failed", exc_info=True)
+
+    def prepare_send(self, tensors: Sequence[torch.Tensor]) -> None:
+        if any(t.device.type == "cuda" for t in tensors):
+            torch.cuda.current_stream().synchronize()  # UCX reads device memory outside any stream
+
+    def close(self) -> None:
+        super().close()
+        with self._worker_lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
