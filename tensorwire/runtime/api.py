@@ -21,6 +21,7 @@ from tensorwire.runtime import values
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ray_env import configure_process
 from tensorwire.runtime.ref import Ref, RefState
+from tensorwire.transport import topology
 from tensorwire.transport.base import TensorKind, TensorMeta
 from tensorwire.transport.packing import packed_layout
 
@@ -88,19 +89,36 @@ def put(value: Any) -> Ref:
             nbytes=t.numel() * t.element_size(),
             offset=offset,
             kind=TensorKind.NUMPY if numpy else TensorKind.TORCH,
+            device_uuid=topology.cuda_uuid(t.get_device()) if t.device.type == "cuda" else "",
         )
         for t, offset, numpy in zip(tensors, offsets, is_numpy, strict=True)
     )
-    desc = runtime_agent().register(tensors, metas, packed_nbytes)
+    desc = runtime_agent().register(tensors, metas, packed_nbytes, ready=_ready_events(tensors))
     return Ref(RefState(desc, skeleton_bytes, {}, b""), skeleton)
 
 
+def _ready_events(tensors: list[torch.Tensor]) -> list[Any]:
+    """One CUDA event per device, recorded on its current stream after the work queued so far."""
+    events = []
+    for index in sorted({t.get_device() for t in tensors if t.device.type == "cuda"}):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(index))
+        events.append((index, event))
+    return events
+
+
 def _target_device(meta: TensorMeta, device: str | torch.device | None) -> torch.device:
+    """Where a fetched tensor lands: ``device`` if given; for a CUDA tensor, the same physical
+    GPU (found by UUID, whatever the index) when this process sees it, else this process's
+    current GPU, else the CPU."""
     if device is not None:
         return torch.device(device)
     target = torch.device(meta.device)
-    if target.type == "cuda" and not (torch.cuda.is_available() and (target.index or 0) < torch.cuda.device_count()):
-        return torch.device("cpu")  # the producer's GPU does not exist here: land on the host
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")  # no GPU here: land on the host
+        index = topology.local_cuda_index(meta.device_uuid) if meta.device_uuid else None
+        return torch.device("cuda", index if index is not None else torch.cuda.current_device())
     if target.type not in ("cpu", "cuda"):
         return torch.device("cpu")
     return target
@@ -169,19 +187,19 @@ def _get_one(
     outs = values.match_out(skeleton, out) if out is not None else {}
     out_tensors = {i: _check_out(buffer, desc.metas[i], i) for i, buffer in outs.items()}
     same_process = desc.owner.agent_id == agent.peer.agent_id
-    dst: list[torch.Tensor] | None = None
+    dst: list[torch.Tensor | None] | None = None
     if out_tensors or not (view or same_process):
-        dst = []
-        for i, meta in enumerate(desc.metas):
+        dst = []  # receive straight into the caller's memory where it is contiguous
+        for i in range(len(desc.metas)):
             buffer = out_tensors.get(i)
-            if buffer is not None and buffer.device.type == "cpu" and buffer.is_contiguous():
-                dst.append(buffer)  # receive straight into the caller's memory
-            else:
-                dst.append(torch.empty(meta.shape, dtype=getattr(torch, meta.dtype)))
+            usable = buffer is not None and buffer.device.type in ("cpu", "cuda") and buffer.is_contiguous()
+            dst.append(buffer if usable else None)
+    targets = [_target_device(meta, device) for meta in desc.metas]
     tensors, _record = agent.fetch(
         desc,
         state.handles,
         dst=dst,
+        targets=targets,
         transport=transport or state.transport,
         view=dst is None,
         timeout_s=timeout_s,

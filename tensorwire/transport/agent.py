@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -211,14 +212,22 @@ class Agent(TransportContext):
     # ------------------------------------------------------------------ producer side
 
     def register(
-        self, tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], packed_nbytes: int
+        self,
+        tensors: list[torch.Tensor],
+        metas: tuple[TensorMeta, ...],
+        packed_nbytes: int,
+        ready: list[Any] | None = None,
     ) -> ObjectDescriptor:
-        """Producer: keep ``tensors`` under a new object id; the caller attaches a reference next."""
+        """Producer: keep ``tensors`` under a new object id; the caller attaches a reference next.
+
+        ``ready``: CUDA events recorded after the work that produced the tensors; transports
+        make their streams wait for them before reading.
+        """
         if registry.version() != self._registry_version:
             self._refresh_transports()
         object_id = secrets.token_bytes(16)
         token = secrets.token_bytes(16)
-        stored = StoredObject(object_id, token, tensors, metas, packed_nbytes)
+        stored = StoredObject(object_id, token, tensors, metas, packed_nbytes, ready=list(ready or ()))
         with self._lock:
             self._objects[object_id] = _Entry(stored)
         return ObjectDescriptor(object_id, token, self._peer, metas, packed_nbytes)
@@ -348,6 +357,11 @@ class Agent(TransportContext):
             if held.count > 0:
                 return
             del self._held[desc.object_id]
+        for transport in list(self._transports.values()):
+            try:
+                transport.forget_object(desc.object_id)  # close mappings before the owner may free
+            except Exception:
+                logger.debug("transport %s failed to forget an object", transport.name, exc_info=True)
         self._send(held.owner, HolderOpKind.RELEASE, desc.object_id, desc.token)
 
     def ref_pickled(self, desc: ObjectDescriptor) -> bytes:
@@ -754,7 +768,8 @@ class Agent(TransportContext):
         desc: ObjectDescriptor,
         handles: dict[str, bytes],
         *,
-        dst: Sequence[torch.Tensor] | None,
+        dst: Sequence[torch.Tensor | None] | None,
+        targets: Sequence[torch.device] | None = None,
         transport: str = "",
         view: bool = False,
         timeout_s: float | None = None,
@@ -764,8 +779,12 @@ class Agent(TransportContext):
         Args:
             desc: The object's descriptor.
             handles: Export handles carried by the reference.
-            dst: Contiguous host tensors to fill (matching ``desc.metas``), or None to
-                allocate. Ignored for zero-copy views.
+            dst: Contiguous tensors to fill (matching ``desc.metas``; None entries, or None,
+                to allocate). Ignored for zero-copy views. A CUDA tensor is filled directly
+                only by transports that write CUDA memory; otherwise a host tensor is returned
+                and the caller copies.
+            targets: Where the caller wants each tensor; transports that write CUDA memory
+                receive straight onto a CUDA target (default: the CPU).
             transport: Forced transport name; "" uses ``TENSORWIRE_TRANSPORT`` or the selector.
             view: Prefer zero-copy views (same process: the producer's tensors; shm: a
                 copy-on-write mapping) over a private copy.
@@ -781,6 +800,8 @@ class Agent(TransportContext):
             nbytes=desc.nbytes,
             memory=frozenset(m.memory for m in desc.metas) or frozenset({MemoryKind.HOST}),
             exported=frozenset(handles),
+            src_devices=frozenset(m.device_uuid for m in desc.metas if m.device_uuid),
+            dst_devices=frozenset(topology.cuda_uuid(t.index or 0) for t in (targets or ()) if t.type == "cuda"),
         )
         selection = selector.select(
             desc.owner, self._peer, summary, self._capabilities, usable_here=frozenset(self._transports), forced=forced
@@ -805,8 +826,10 @@ class Agent(TransportContext):
                     attempt = replace(attempt, handle=self.request_export(attempt, name))
                 if view and instance.capabilities.zero_copy_view:
                     tensors, zero_copy = instance.view(attempt), True
+                    if instance.capabilities.needs_device_access:
+                        self._hold_while_alive(desc, tensors)
                 else:
-                    tensors = list(dst) if dst is not None else [_empty_host(m) for m in desc.metas]
+                    tensors = _destinations(desc.metas, dst, targets, instance.capabilities)
                     instance.fetch(attempt, tensors)
                     zero_copy = False
             except (ObjectFreedError, OwnerDiedError, PeerLostError) as e:
@@ -836,6 +859,12 @@ class Agent(TransportContext):
             self._record(record)
             return tensors, record
         raise NoTransportError(f"every transport failed for object {desc.object_id.hex()}: {'; '.join(errors)}")
+
+    def _hold_while_alive(self, desc: ObjectDescriptor, tensors: list[torch.Tensor]) -> None:
+        """Views that map the producer's own allocation hold the object while they live."""
+        for tensor in tensors:
+            self.ref_attached(desc)
+            weakref.finalize(tensor, self.ref_detached, desc)
 
     def _record(self, record: TransferRecord) -> None:
         with self._lock:
@@ -896,8 +925,28 @@ _RENDEZVOUS_MAX_GROUPS = 256  # groups being connected at once; older ones are d
 _RENDEZVOUS_MAX_VALUE = 64 * 1024
 
 
-def _empty_host(meta: TensorMeta) -> torch.Tensor:
-    return torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device="cpu")
+def _destinations(
+    metas: Sequence[TensorMeta],
+    dst: Sequence[torch.Tensor | None] | None,
+    targets: Sequence[torch.device] | None,
+    caps: Capabilities,
+) -> list[torch.Tensor]:
+    """The tensors a transport fills: the caller's buffers where the transport can write
+    their memory, else new tensors on the target (CUDA only for CUDA-capable transports)."""
+
+    def writable(device: torch.device) -> bool:
+        return device.type == "cpu" or (device.type == "cuda" and MemoryKind.CUDA in caps.memory)
+
+    result = []
+    for i, meta in enumerate(metas):
+        given = dst[i] if dst is not None else None
+        target = targets[i] if targets else torch.device("cpu")
+        if given is not None and writable(given.device):
+            result.append(given)
+        else:
+            device = target if writable(target) else torch.device("cpu")
+            result.append(torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=device))
+    return result
 
 
 _agent: Agent | None = None

@@ -29,7 +29,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tensorwire.errors import TransportUnavailableError
 
@@ -82,6 +82,10 @@ class Capabilities:
         can_abort: A transfer in flight can be aborted and both sides stay usable.
         staged: Memory of other kinds is staged through host memory (by ``serve`` on the
             producer, by the agent on the consumer), so any object can be served.
+        needs_device_access: The consumer process must see every GPU the object lives on
+            (compared by UUID), e.g. to open CUDA IPC handles.
+        distinct_devices: Producer and consumer must use different GPUs, and the consumer
+            must receive into GPU memory (NCCL refuses two ranks on one GPU).
     """
 
     one_sided: bool
@@ -93,6 +97,8 @@ class Capabilities:
     zero_copy_view: bool = False
     can_abort: bool = False
     staged: bool = False
+    needs_device_access: bool = False
+    distinct_devices: bool = False
 
 
 @dataclass(frozen=True)
@@ -189,10 +195,21 @@ class StoredObject:
     metas: tuple[TensorMeta, ...]
     packed_nbytes: int
     transport_state: dict[str, object] = field(default_factory=dict)
+    ready: list[tuple[int, Any]] = field(default_factory=list)  # (CUDA device, event) recorded at put
 
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.metas)
+
+    def wait_ready(self) -> None:
+        """Make the calling thread's current CUDA streams wait for the work that produced the
+        tensors (recorded when the object was put); no host synchronisation."""
+        if not self.ready:
+            return
+        import torch
+
+        for device, event in self.ready:
+            torch.cuda.current_stream(device).wait_event(event)
 
 
 @dataclass(frozen=True)
@@ -310,6 +327,10 @@ class Transport(ABC):
         ``TransportContext.connect``; returns the answer for the peer. Two-sided only."""
         raise TransportUnavailableError(f"transport {self.name!r} takes no connections")
 
+    def forget_object(self, object_id: bytes) -> None:  # noqa: B027 - optional hook
+        """Consumer: this process no longer holds a reference to ``object_id``; close what
+        was kept open for it (mappings). Must not raise."""
+
     def forget_peer(self, agent_id: str) -> None:  # noqa: B027 - optional hook
         """Any process: the agent learned that ``agent_id`` is gone; drop what is tied to it."""
 
@@ -324,7 +345,9 @@ class Transport(ABC):
     def view(self, request: FetchRequest) -> list[torch.Tensor]:
         """Consumer: tensors that map the producer's bytes without a copy.
 
-        Writing to them never changes the producer's data. Only for ``zero_copy_view``.
+        Only for ``zero_copy_view``. Host mappings (shm) are copy-on-write: writing to them
+        never changes the producer's data. GPU mappings (cuda_ipc) share the producer's
+        memory: treat them as read-only.
         """
         raise TransportUnavailableError(f"transport {self.name!r} has no zero-copy view")
 

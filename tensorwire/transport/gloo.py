@@ -1,11 +1,9 @@
 """``gloo``: host memory between any two processes over torch.distributed gloo, two-sided.
 
 Each pair of agents gets its own standalone two-rank ``ProcessGroupGloo`` on first use
-(the torch.distributed default process group is never touched, so user code may own it).
-Its store is the agents' control service: keys set by one side are pushed to the other over
-the authenticated ``Rendezvous`` call, so no extra port is opened for rendezvous. The
-consumer is rank 1 and the producer rank 0 of the group it asked for; transfers use the
-consumer's tags, so concurrent transfers on one group in both directions never cross.
+(:mod:`~tensorwire.transport.pair_groups`: rendezvous through the control service, never the
+default process group). Transfers use the consumer's tags, so concurrent transfers on one
+group in both directions never cross.
 A group is destroyed when a transfer on it fails or its peer is lost, and made again on the
 next transfer.
 """
@@ -14,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,53 +20,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorwire.errors import PeerLostError, TransferTimeoutError, TransportError
-from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
-from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport, check_alive
+from tensorwire.errors import PeerLostError, TransferTimeoutError
+from tensorwire.transport.base import Capabilities, MemoryKind
+from tensorwire.transport.pair_groups import CONSUMER_RANK, PRODUCER_RANK, PairGroupTransport, abort_group
+from tensorwire.transport.two_sided import Connection, PostedOps
 
 __all__ = ["GlooTransport"]
 
 logger = logging.getLogger(__name__)
-
-_PRODUCER_RANK = 0
-_CONSUMER_RANK = 1
-
-
-class _ControlStore(dist.Store):
-    """A c10d store for one two-rank group, backed by the agents' control services."""
-
-    def __init__(self, context: Any, peer: PeerInfo, group: str, timeout_s: float) -> None:
-        super().__init__()
-        self._context = context
-        self._peer = peer
-        self._group = group
-        self._timeout_s = timeout_s
-
-    def set(self, key: str, value: Any) -> None:
-        data = value.encode() if isinstance(value, str) else bytes(value)
-        self._context.rendezvous_set(self._peer, self._group, key, data, timeout_s=self._timeout_s)
-
-    def get(self, key: str) -> bytes:
-        deadline = time.monotonic() + self._timeout_s
-        while True:  # in slices, to notice a peer that exited meanwhile
-            try:
-                return self._context.rendezvous_get(self._group, key, timeout_s=min(0.25, self._timeout_s))
-            except TransferTimeoutError:
-                if time.monotonic() >= deadline:
-                    raise
-                check_alive(self._peer, f"gloo rendezvous with agent {self._peer.agent_id}")
-
-    def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
-        for key in keys:
-            self.get(key)
-
-    def check(self, keys: Sequence[str]) -> bool:
-        try:
-            for key in keys:
-                self._context.rendezvous_get(self._group, key, timeout_s=0.0)
-        except TransportError:
-            return False
-        return True
 
 
 class _Works(PostedOps):
@@ -115,14 +73,7 @@ class _Works(PostedOps):
         raise PeerLostError(f"{what}: gloo operation failed: {error}")
 
     def abort(self) -> None:
-        _abort_group(self._group)
-
-
-def _abort_group(group: Any) -> None:
-    try:
-        group.abort()  # pending sends and receives of the group fail; the group is unusable
-    except Exception:
-        logger.debug("gloo group abort failed", exc_info=True)
+        abort_group(self._group)
 
 
 def _post(connection: Connection, post: Any, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> _Works:
@@ -135,7 +86,7 @@ def _post(connection: Connection, post: Any, tags: Sequence[int], buffers: Seque
     return _Works(connection.state, works, buffers)
 
 
-class GlooTransport(TwoSidedTransport):
+class GlooTransport(PairGroupTransport):
     """Two-rank gloo process groups per pair of agents; host memory, any node."""
 
     name = "gloo"
@@ -153,46 +104,16 @@ class GlooTransport(TwoSidedTransport):
             return "this torch build has no torch.distributed gloo backend"
         return None
 
-    def _make_group(self, peer: PeerInfo, group: str, rank: int, timeout_s: float) -> Any:
-        timeout_s = max(timeout_s, 1.0)
-        store = _ControlStore(self.context, peer, group, timeout_s)
+    def new_group(self, store: dist.Store, rank: int, timeout_s: float, scope: str) -> Any:
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.context.config.host)]
         options._timeout = datetime.timedelta(seconds=timeout_s)
-        try:
-            return dist.ProcessGroupGloo(store, rank, 2, options)
-        except RuntimeError as e:
-            raise TransportError(f"gloo: could not form a group with agent {peer.agent_id}: {e}") from None
-        finally:
-            self.context.rendezvous_forget(group)
-
-    def open_connection(self, peer: PeerInfo, key: bytes, deadline: float) -> Any:
-        group = f"gloo-{secrets.token_hex(8)}"
-        made: list[Any] = []
-        self.context.connect(
-            peer,
-            self.name,
-            key + group.encode(),
-            timeout_s=deadline - time.monotonic(),
-            concurrently=lambda: made.append(
-                self._make_group(peer, group, _CONSUMER_RANK, deadline - time.monotonic())
-            ),
-        )
-        return made[0]
-
-    def accept_connection(self, peer: PeerInfo, payload: bytes) -> tuple[Any, bytes]:
-        group = payload.decode()
-        if not group.startswith("gloo-"):
-            raise TransportError("gloo: malformed group name")
-        return self._make_group(peer, group, _PRODUCER_RANK, self.context.config.rpc_timeout_s), b""
+        return dist.ProcessGroupGloo(store, rank, 2, options)
 
     def post_sends(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
         group = connection.state
-        return _post(connection, lambda t, b: group.send([b], _CONSUMER_RANK, t), tags, buffers)
+        return _post(connection, lambda t, b: group.send([b], CONSUMER_RANK, t), tags, buffers)
 
     def post_recvs(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
         group = connection.state
-        return _post(connection, lambda t, b: group.recv([b], _PRODUCER_RANK, t), tags, buffers)
-
-    def close_connection(self, connection: Connection) -> None:
-        _abort_group(connection.state)
+        return _post(connection, lambda t, b: group.recv([b], PRODUCER_RANK, t), tags, buffers)

@@ -38,6 +38,7 @@ class HostTransport(Transport):
         Device tensors are copied to host one at a time (``Tensor.cpu`` synchronises with
         the tensor's stream), so staging needs at most one tensor's worth of host memory.
         """
+        obj.wait_ready()
         host_tensors = (t if t.device.type == "cpu" else t.cpu() for t in obj.tensors)
         return iter_stream_chunks(host_tensors, self.context.config.chunk_nbytes)
 

@@ -26,7 +26,9 @@ class InlineTransport(Transport):
         limit = self.context.config.inline_max_nbytes
         if obj.nbytes > limit:
             return None
-        return b"".join(iter_stream_chunks(obj.tensors, max(obj.nbytes, 1)))
+        obj.wait_ready()
+        host = [t if t.device.type == "cpu" else t.cpu() for t in obj.tensors]  # small: stage device tensors
+        return b"".join(iter_stream_chunks(host, max(obj.nbytes, 1)))
 
     def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
         """Consumer: copy the bytes carried by the reference into ``dst``; never blocks."""

@@ -28,6 +28,8 @@ BUILTIN_TRANSPORTS: dict[str, str] = {
     "host": "tensorwire.transport.host:HostTransport",
     "gloo": "tensorwire.transport.gloo:GlooTransport",
     "ucx": "tensorwire.transport.ucx:UcxTransport",
+    "cuda_ipc": "tensorwire.transport.cuda_ipc:CudaIpcTransport",
+    "nccl": "tensorwire.transport.nccl:NcclTransport",
 }
 
 _lock = threading.Lock()

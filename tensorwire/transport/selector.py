@@ -36,6 +36,9 @@ DEFAULT_COSTS: dict[str, CostEstimate] = {
     "host": CostEstimate(fixed_us=1500, bandwidth_gbps=1.0),
     "ucx": CostEstimate(fixed_us=1500, bandwidth_gbps=4.0),
     "gloo": CostEstimate(fixed_us=1700, bandwidth_gbps=2.0),
+    # GPU transports: unverified defaults until measured on a GPU (docs/performance.md).
+    "cuda_ipc": CostEstimate(fixed_us=100, bandwidth_gbps=1000.0),
+    "nccl": CostEstimate(fixed_us=1500, bandwidth_gbps=200.0),
 }
 UNKNOWN_COST = CostEstimate(fixed_us=5000, bandwidth_gbps=0.5)
 
@@ -47,6 +50,8 @@ class ObjectSummary:
     nbytes: int
     memory: frozenset[MemoryKind]
     exported: frozenset[str]  # transports whose handle travels with the reference
+    src_devices: frozenset[str] = frozenset()  # UUIDs of the GPUs the object lives on
+    dst_devices: frozenset[str] = frozenset()  # UUIDs of the GPUs the consumer receives onto
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,31 @@ def _why_not(  # noqa: PLR0917 - private helper over the selector's inputs
     if missing and not caps.staged:
         kinds = ", ".join(sorted(m.value for m in missing))
         return f"cannot read {kinds} memory"
+    if caps.needs_device_access:
+        visible = {d.uuid for d in dst.devices if d.kind == "cuda" and d.uuid}
+        unseen = sorted(obj.src_devices - visible)
+        if unseen or not obj.src_devices:
+            return f"the consumer cannot see the producer's GPU {_short(unseen[0]) if unseen else '(unknown)'}"
+    if caps.distinct_devices:
+        if not obj.dst_devices:
+            return "the consumer receives into host memory"
+        shared = sorted(obj.src_devices & obj.dst_devices)
+        if shared:
+            return f"producer and consumer on one GPU ({_short(shared[0])}); NCCL refuses two ranks on one GPU"
     return None
+
+
+def _short(uuid: str) -> str:
+    """A GPU UUID shortened for reasons: ``GPU-3f2a9c1e``."""
+    return uuid[:12]
+
+
+def _devices(obj: ObjectSummary) -> str:
+    if not obj.src_devices:
+        return ""
+    src = "+".join(_short(u) for u in sorted(obj.src_devices))
+    dst = "+".join(_short(u) for u in sorted(obj.dst_devices)) or "host"
+    return f", {src} -> {dst}"
 
 
 def _where(src: PeerInfo, dst: PeerInfo) -> str:
@@ -149,7 +178,8 @@ def select(
         else:
             rejected.append((name, reason))
     choices.sort(key=lambda c: c.estimate_s)
-    where = f"{_where(src, dst)}, {'+'.join(sorted(m.value for m in obj.memory)) or 'no'} memory, {obj.nbytes} B"
+    memory = "+".join(sorted(m.value for m in obj.memory)) or "no"
+    where = f"{_where(src, dst)}{_devices(obj)}, {memory} memory, {obj.nbytes} B"
     if not choices:
         reason = f"{where}: no transport can serve" + "".join(f"; {n}: {r}" for n, r in rejected)
     else:

@@ -89,6 +89,8 @@ class ShmTransport(Transport):
         a SIGBUS). Raises ``TransportUnavailableError`` when ``/dev/shm`` has no room (the
         agent then leaves consumers to another transport).
         """
+        if any(t.device.type != "cpu" for t in obj.tensors):
+            return None  # device memory goes by cuda_ipc, or two-sided transports that stage it
         peer = self.context.peer
         name = f"{segment_prefix()}{peer.pid}-{peer.start_time}-{secrets.token_hex(16)}"
         path = os.path.join(SHM_DIR, name)

@@ -73,20 +73,63 @@ def _is_zombie(pid: int) -> bool:
     return state in (b"Z", b"X")
 
 
+@functools.lru_cache(maxsize=1)
 def visible_devices() -> tuple[DeviceInfo, ...]:
-    """Devices this process can use: the CPU, plus CUDA devices if torch sees any."""
+    """Devices this process can use: the CPU, plus CUDA devices (physical UUID and PCI bus id)."""
     devices = [DeviceInfo(kind="cpu", index=0)]
     try:
         import torch
 
         if torch.cuda.is_available():
             for index in range(torch.cuda.device_count()):
-                props = torch.cuda.get_device_properties(index)
-                uuid = str(getattr(props, "uuid", "") or "")
-                devices.append(DeviceInfo(kind="cuda", index=index, uuid=uuid))
+                devices.append(
+                    DeviceInfo(kind="cuda", index=index, uuid=cuda_uuid(index), pci_bus_id=_pci_bus_id(index))
+                )
     except Exception:  # noqa: BLE001 - discovery must never fail the caller
         pass
     return tuple(devices)
+
+
+@functools.lru_cache(maxsize=64)
+def cuda_uuid(index: int) -> str:
+    """The physical UUID ("GPU-...") of this process's CUDA device ``index`` ("" if unknown).
+
+    Indices depend on ``CUDA_VISIBLE_DEVICES``; UUIDs do not, so devices are compared across
+    processes by UUID only.
+    """
+    try:
+        import torch
+
+        raw = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+    except Exception:  # noqa: BLE001
+        return ""
+    return normalize_uuid(raw)
+
+
+def normalize_uuid(raw: str) -> str:
+    """One spelling for a GPU UUID: torch prints it bare, NVML and nvidia-smi with "GPU-"."""
+    raw = raw.strip()
+    if not raw:
+        return ""
+    return raw if raw.startswith(("GPU-", "MIG-")) else f"GPU-{raw}"
+
+
+def _pci_bus_id(index: int) -> str:
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(index)
+        return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def local_cuda_index(uuid: str, devices: tuple[DeviceInfo, ...] | None = None) -> int | None:
+    """This process's index of the CUDA device with ``uuid``, or None if it cannot see it."""
+    for device in devices if devices is not None else visible_devices():
+        if device.kind == "cuda" and device.uuid and device.uuid == uuid:
+            return device.index
+    return None
 
 
 def _read(path: str) -> str:

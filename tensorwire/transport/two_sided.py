@@ -32,7 +32,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -64,12 +64,18 @@ class Connection:
     key: bytes
     peer: PeerInfo
     state: Any
+    scope: str = ""  # what else the connection is for (nccl: the pair of GPUs)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # serialises transfers where needed
 
 
 def check_alive(peer: PeerInfo, what: str) -> None:
     """Raise ``PeerLostError`` if ``peer`` ran on this machine and its process exited."""
     if peer.machine_id == topology.machine_id() and not topology.process_alive(peer.pid, peer.start_time):
         raise PeerLostError(f"{what}: peer process {peer.pid} exited")
+
+
+class _Reconnect(Exception):
+    """Internal: the attempt failed on a stale or broken connection; try a new one."""
 
 
 class PostedOps:
@@ -111,11 +117,14 @@ class TwoSidedTransport(Transport):
 
     small_message_nbytes = 64 * 1024
     pack_nbytes = 4 * 1024 * 1024
+    # True when the transport matches messages by order, not by tag (NCCL): the consumer then
+    # runs one transfer at a time per connection, so both sides post in the same order.
+    ordered = False
 
     def __init__(self, context: Any) -> None:
         super().__init__(context)
         self._lock = threading.Lock()
-        self._outgoing: dict[str, Connection] = {}  # consumer side, by the owner's agent id
+        self._outgoing: dict[tuple[str, str], Connection] = {}  # consumer side, by (owner agent id, scope)
         self._incoming: dict[bytes, Connection] = {}  # producer side, by connection key
         self._connecting: dict[str, threading.Lock] = {}
         self._tags = itertools.count(1)
@@ -123,10 +132,14 @@ class TwoSidedTransport(Transport):
 
     # ------------------------------------------------------------------ transport hooks
 
+    def connection_scope(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> str:
+        """Consumer: what besides the peer a connection is for ("" by default)."""
+        return ""
+
     @abstractmethod
-    def open_connection(self, peer: PeerInfo, key: bytes, deadline: float) -> Any:
-        """Consumer: make this side of a connection to ``peer`` and have the peer accept it
-        (through ``self.context.connect(peer, self.name, key + payload, ...)``)."""
+    def open_connection(self, peer: PeerInfo, key: bytes, deadline: float, scope: str) -> Any:
+        """Consumer: make this side of a connection to ``peer`` (for ``scope``) and have the
+        peer accept it (through ``self.context.connect(peer, self.name, key + payload, ...)``)."""
 
     @abstractmethod
     def accept_connection(self, peer: PeerInfo, payload: bytes) -> tuple[Any, bytes]:
@@ -144,27 +157,31 @@ class TwoSidedTransport(Transport):
     def close_connection(self, connection: Connection) -> None:
         """Either side: free the connection's state. Must not raise."""
 
-    def prepare_send(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Producer: make the tensors' pending device work visible to the sends (CUDA)."""
+    def prepare_send(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Producer: make pending device work on the send buffers visible to the sends (CUDA)."""
+
+    def prepare_recv(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Consumer: make earlier device work on the receive buffers finish first (CUDA)."""
 
     # ------------------------------------------------------------------ connections
 
-    def _connection_to(self, owner: PeerInfo, deadline: float) -> Connection:
+    def _connection_to(self, owner: PeerInfo, deadline: float, scope: str) -> Connection:
+        cache_key = (owner.agent_id, scope)
         with self._lock:
-            connection = self._outgoing.get(owner.agent_id)
+            connection = self._outgoing.get(cache_key)
             if connection is not None:
                 return connection
-            gate = self._connecting.setdefault(owner.agent_id, threading.Lock())
-        with gate:  # one connect per peer at a time; the others wait and reuse it
+            gate = self._connecting.setdefault(f"{owner.agent_id}|{scope}", threading.Lock())
+        with gate:  # one connect per peer and scope at a time; the others wait and reuse it
             with self._lock:
-                connection = self._outgoing.get(owner.agent_id)
+                connection = self._outgoing.get(cache_key)
             if connection is not None:
                 return connection
             key = secrets.token_bytes(_KEY_NBYTES)
-            connection = Connection(key, owner, self.open_connection(owner, key, deadline))
+            connection = Connection(key, owner, self.open_connection(owner, key, deadline, scope), scope)
             with self._lock:
-                self._outgoing[owner.agent_id] = connection
-            logger.debug("%s: connected to agent %s", self.name, owner.agent_id)
+                self._outgoing[cache_key] = connection
+            logger.debug("%s: connected to agent %s %s", self.name, owner.agent_id, scope)
             return connection
 
     def accept(self, peer: PeerInfo, payload: bytes) -> bytes:
@@ -179,8 +196,9 @@ class TwoSidedTransport(Transport):
     def _drop(self, connection: Connection) -> None:
         with self._lock:
             dropped = False
-            if self._outgoing.get(connection.peer.agent_id) is connection:
-                del self._outgoing[connection.peer.agent_id]
+            cache_key = (connection.peer.agent_id, connection.scope)
+            if self._outgoing.get(cache_key) is connection:
+                del self._outgoing[cache_key]
                 dropped = True
             if self._incoming.get(connection.key) is connection:
                 del self._incoming[connection.key]
@@ -254,40 +272,56 @@ class TwoSidedTransport(Transport):
     # ------------------------------------------------------------------ the protocol
 
     def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
-        """Consumer: post receives into ``dst``, ask the owner to send, wait for both."""
+        """Consumer: post receives into ``dst``, ask the owner to send, wait for them."""
         plan = self._plan([m.nbytes for m in request.metas])
+        scope = self.connection_scope(request, dst)
         for attempt in (1, 2):
-            connection = self._connection_to(request.owner, request.deadline)
-            tags = self._next_tags(len(plan))
-            buffers = self._recv_buffers(plan, dst)
+            connection = self._connection_to(request.owner, request.deadline, scope)
             try:
-                posted = self.post_recvs(connection, tags, buffers)
-            except TransportError:
-                self._drop(connection)  # broken (its peer went away): the next attempt reconnects
-                if attempt == 1:
-                    continue
-                raise
-            deadline_ms = int(request.remaining_s() * 1000)
-            params = _PARAMS.pack(connection.key, tags[0] >> _TAG_SHIFT if tags else 0, deadline_ms)
-            what = f"{self.name} transfer of object {request.object_id.hex()} from agent {request.owner.agent_id}"
-            try:
-                answer = list(self.context.open_stream(request, self.name, params))
-                if answer != [_POSTED]:
-                    raise TransferAbortedError(f"{what}: the owner did not post its sends")
-                posted.wait(request.deadline, lambda: self.context.check_owner(request), what)
-            except TransportError as e:
-                posted.abort()
-                self._drop(connection)
-                if attempt == 1 and _UNKNOWN_CONNECTION in str(e) and request.remaining_s() > 0.1:
-                    logger.debug("%s: the owner no longer knows the connection; reconnecting", what)
-                    continue
-                raise
-            except BaseException:
-                posted.abort()
-                self._drop(connection)
-                raise
-            self._unpack(plan, buffers, dst)
-            return
+                if self.ordered:
+                    with connection.lock:
+                        self._transfer(request, dst, plan, connection)
+                else:
+                    self._transfer(request, dst, plan, connection)
+                return
+            except _Reconnect:
+                if attempt == 2 or request.remaining_s() <= 0.1:
+                    raise TransferAbortedError(
+                        f"{self.name}: the connection to agent {request.owner.agent_id} broke twice"
+                    ) from None
+
+    def _transfer(
+        self, request: FetchRequest, dst: Sequence[torch.Tensor], plan: list[list[int]], connection: Connection
+    ) -> None:
+        """One attempt on one connection; raises ``_Reconnect`` when a new connection may help."""
+        tags = self._next_tags(len(plan))
+        buffers = self._recv_buffers(plan, dst)
+        self.prepare_recv(buffers)
+        try:
+            posted = self.post_recvs(connection, tags, buffers)
+        except TransportError:
+            self._drop(connection)  # broken (its peer went away): the next attempt reconnects
+            raise _Reconnect from None
+        deadline_ms = int(request.remaining_s() * 1000)
+        params = _PARAMS.pack(connection.key, tags[0] >> _TAG_SHIFT if tags else 0, deadline_ms)
+        what = f"{self.name} transfer of object {request.object_id.hex()} from agent {request.owner.agent_id}"
+        try:
+            answer = list(self.context.open_stream(request, self.name, params))
+            if answer != [_POSTED]:
+                raise TransferAbortedError(f"{what}: the owner did not post its sends")
+            posted.wait(request.deadline, lambda: self.context.check_owner(request), what)
+        except TransportError as e:
+            posted.abort()
+            self._drop(connection)
+            if _UNKNOWN_CONNECTION in str(e):
+                logger.debug("%s: the owner no longer knows the connection; reconnecting", what)
+                raise _Reconnect from None
+            raise
+        except BaseException:
+            posted.abort()
+            self._drop(connection)
+            raise
+        self._unpack(plan, buffers, dst)
 
     def serve(self, obj: StoredObject, params: bytes) -> Iterator[bytes]:
         """Producer, on an agent service thread: post the sends the consumer asked for."""
@@ -311,8 +345,8 @@ class TwoSidedTransport(Transport):
         tensors: Sequence[torch.Tensor],
         deadline: float,
     ) -> Iterator[bytes]:
-        self.prepare_send(tensors)
         buffers = self._send_buffers(plan, tensors)
+        self.prepare_send(buffers)
         posted = self.post_sends(connection, tags, buffers)
         self._completions.submit(self._complete, posted, connection, deadline)
         yield _POSTED

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from tensorwire.errors import TransportError
-from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
+from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo, StoredObject
 from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport
 
 __all__ = ["UcxTransport", "active_transports"]
@@ -60,6 +60,8 @@ class _Worker:
         self.array = Array
         self.context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self.worker = ucx_api.UCXWorker(self.context)
+        if _cuda_available():  # the progress thread needs a current CUDA context for device memory
+            self.worker.set_progress_thread_start_callback(_set_cuda_device, cb_args=(torch.cuda.current_device(),))
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=_EPOLL_TIMEOUT_MS)
         self.address = bytes(self.worker.address)
         self.transports = active_transports(self.context.info)
@@ -74,6 +76,22 @@ class _Worker:
 
     def close(self) -> None:
         self.worker.stop_progress_thread()
+
+
+def _cuda_available() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _set_cuda_device(index: int) -> None:
+    torch.cuda.set_device(index)
+
+
+def _synchronize(buffers: Sequence[torch.Tensor]) -> None:
+    for device in {b.device for b in buffers if b.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 class _Requests(PostedOps):
@@ -129,7 +147,7 @@ class UcxTransport(TwoSidedTransport):
                     raise TransportError(f"ucx: could not start a UCX worker: {type(e).__name__}: {e}") from None
             return self._worker
 
-    def open_connection(self, peer: PeerInfo, key: bytes, deadline: float) -> Any:
+    def open_connection(self, peer: PeerInfo, key: bytes, deadline: float, scope: str) -> Any:
         worker = self.worker()
         answer = self.context.connect(
             peer, self.name, key + worker.address, timeout_s=deadline - time.monotonic(), concurrently=lambda: None
@@ -164,9 +182,15 @@ class UcxTransport(TwoSidedTransport):
         except Exception:
             logger.debug("ucx endpoint close failed", exc_info=True)
 
-    def prepare_send(self, tensors: Sequence[torch.Tensor]) -> None:
-        if any(t.device.type == "cuda" for t in tensors):
-            torch.cuda.current_stream().synchronize()  # UCX reads device memory outside any stream
+    def serve(self, obj: StoredObject, params: bytes) -> Any:
+        obj.wait_ready()
+        return super().serve(obj, params)
+
+    def prepare_send(self, buffers: Sequence[torch.Tensor]) -> None:
+        _synchronize(buffers)  # UCX reads device memory outside any stream
+
+    def prepare_recv(self, buffers: Sequence[torch.Tensor]) -> None:
+        _synchronize(buffers)  # and writes it outside any stream
 
     def close(self) -> None:
         super().close()

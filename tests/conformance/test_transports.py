@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.transport import registered_transports
+from tensorwire.transport import get_transport_class, registered_transports
+from tensorwire.transport.base import MemoryKind
 from tests.helpers import file_transport
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
@@ -39,6 +40,8 @@ def consumers():
 @pytest.fixture(params=sorted(set(registered_transports())))
 def transport(request, agent):
     name = request.param
+    if MemoryKind.HOST not in get_transport_class(name).capabilities.memory:
+        pytest.skip(f"{name} moves CUDA memory only; tests/gpu/test_gpu_transports.py (marked gpu) covers it")
     if name == "inline":
         agent.set_config(replace(agent.config, inline_max_nbytes=512 << 20))
     return name

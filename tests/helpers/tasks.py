@@ -21,7 +21,7 @@ def digest(value: Any) -> str:
     def visit(item: Any) -> None:
         if isinstance(item, torch.Tensor):
             h.update(f"T{tuple(item.shape)}{item.dtype}".encode())
-            h.update(byte_view(item.contiguous()).numpy().tobytes())
+            h.update(byte_view(item.detach().cpu().contiguous()).numpy().tobytes())  # device-independent
         elif isinstance(item, np.ndarray):
             h.update(f"N{item.shape}{item.dtype}".encode())
             h.update(np.ascontiguousarray(item).tobytes())

@@ -1,0 +1,262 @@
+"""``cuda_ipc``: CUDA memory between processes of one node, one-sided, through CUDA IPC.
+
+UNVERIFIED on this project's build machines (no GPU); see ``docs/performance.md`` for what
+the device check measured.
+
+Producer, when a reference first leaves the process: torch's own sharing path
+(``UntypedStorage._share_cuda_``) gives, per tensor, the IPC handle of the caching
+allocator's *block* the tensor lives in (tensors of one block share it; the offset travels
+alongside) and an interprocess event recorded on the current stream after the work that
+produced the tensors (the stream first waits for the events recorded at ``put``). Going
+through torch handles expandable segments the way torch supports them. torch's IPC reference
+counter is released at once: the object's lifetime is governed by tensorwire's holder
+protocol (the producer keeps the tensors until no process holds a reference), not by the
+caching allocator's "limbo".
+
+Consumer: devices are matched by physical UUID, never by index, so producer and consumer may
+see different ``CUDA_VISIBLE_DEVICES``. Handles are opened once per object and process
+(``_new_shared_cuda``, which makes the consumer's current stream wait on the producer's
+event: no host synchronisation) and kept until the consumer's last reference to the object
+is gone; then the copies are synchronised and the mappings closed, before the owner hears of
+the release. ``fetch`` copies into the consumer's buffers on its current stream (another GPU
+copies peer to peer where CUDA allows it); ``view`` returns tensors on the mapping itself
+(same GPU), which keep the object held while they live.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorwire.errors import TransportError, TransportUnavailableError
+from tensorwire.transport import topology
+from tensorwire.transport.base import Capabilities, FetchRequest, MemoryKind, StoredObject, Transport
+
+__all__ = ["CudaIpcTransport", "IpcRecord", "decode_records", "encode_records"]
+
+logger = logging.getLogger(__name__)
+
+_VERSION = 1
+_HEADER = struct.Struct("!BI")
+_NUMBERS = struct.Struct("!QQQQB")  # storage size, storage offset, ref-counter offset, tensor offset, event sync
+_LENGTH = struct.Struct("!I")
+
+
+@dataclass(frozen=True)
+class IpcRecord:
+    """How a consumer opens one tensor of an exported object (empty tensors: empty handle)."""
+
+    device_uuid: str
+    handle: bytes
+    storage_nbytes: int
+    storage_offset: int  # bytes from the start of the IPC allocation to the storage
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int  # bytes from the start of the storage to the tensor
+
+
+def encode_records(records: Sequence[IpcRecord]) -> bytes:
+    """The export handle: a versioned binary layout (never pickled)."""
+    parts = [_HEADER.pack(_VERSION, len(records))]
+    for r in records:
+        for field in (r.device_uuid.encode(), r.handle, r.ref_counter_handle, r.event_handle):
+            parts += [_LENGTH.pack(len(field)), field]
+        parts.append(
+            _NUMBERS.pack(
+                r.storage_nbytes, r.storage_offset, r.ref_counter_offset, r.tensor_offset, r.event_sync_required
+            )
+        )
+    return b"".join(parts)
+
+
+def decode_records(data: bytes) -> list[IpcRecord]:
+    """Inverse of :func:`encode_records`; raises ``TransportError`` on malformed input."""
+    try:
+        version, count = _HEADER.unpack_from(data, 0)
+        if version != _VERSION:
+            raise TransportError(f"cuda_ipc: handle version {version} (expected {_VERSION})")
+        position = _HEADER.size
+        records = []
+        for _ in range(count):
+            fields = []
+            for _ in range(4):
+                (length,) = _LENGTH.unpack_from(data, position)
+                position += _LENGTH.size
+                if position + length > len(data):
+                    raise TransportError("cuda_ipc: truncated handle")
+                fields.append(bytes(data[position : position + length]))
+                position += length
+            size, offset, counter_offset, tensor_offset, sync = _NUMBERS.unpack_from(data, position)
+            position += _NUMBERS.size
+            records.append(
+                IpcRecord(
+                    fields[0].decode(),
+                    fields[1],
+                    size,
+                    offset,
+                    fields[2],
+                    counter_offset,
+                    fields[3],
+                    bool(sync),
+                    tensor_offset,
+                )
+            )
+    except struct.error as e:
+        raise TransportError(f"cuda_ipc: malformed handle ({e})") from None
+    if position != len(data):
+        raise TransportError("cuda_ipc: trailing bytes in handle")
+    return records
+
+
+class CudaIpcTransport(Transport):
+    """Same-node CUDA memory through CUDA IPC handles of the producer's allocations."""
+
+    name = "cuda_ipc"
+    capabilities = Capabilities(
+        one_sided=True,
+        same_process=False,
+        same_node=True,
+        cross_node=False,
+        memory=frozenset({MemoryKind.CUDA}),
+        needs_export=True,
+        zero_copy_view=True,
+        needs_device_access=True,
+    )
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self._lock = threading.Lock()
+        self._opened: dict[bytes, dict[tuple[bytes, int], torch.UntypedStorage]] = {}  # object id -> storages
+        self._pending: dict[bytes, list[torch.cuda.Event]] = {}  # object id -> copies in flight
+
+    def unavailable_reason(self) -> str | None:
+        if not torch.cuda.is_available():
+            return "no CUDA device visible to this process"
+        return None
+
+    # ------------------------------------------------------------------ producer
+
+    def export(self, obj: StoredObject) -> bytes | None:
+        if not obj.tensors or any(t.device.type != "cuda" for t in obj.tensors):
+            return None
+        obj.wait_ready()  # the IPC events below are recorded after the producing work
+        records = []
+        for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
+            if tensor.numel() == 0:
+                records.append(IpcRecord(meta.device_uuid, b"", 0, 0, b"", 0, b"", False, 0))
+                continue
+            with torch.cuda.device(tensor.device):
+                try:
+                    shared = tensor.untyped_storage()._share_cuda_()
+                except RuntimeError as e:
+                    logger.info("cuda_ipc: torch cannot share this allocation (%s); other transports serve it", e)
+                    return None
+            device, handle, size, offset, counter_handle, counter_offset, event_handle, event_sync = shared
+            # Lifetime is ours (holder protocol), not torch's IPC reference counter: release it.
+            torch.UntypedStorage._release_ipc_counter(counter_handle, counter_offset, device=device)
+            records.append(
+                IpcRecord(
+                    device_uuid=meta.device_uuid or topology.cuda_uuid(device),
+                    handle=bytes(handle),
+                    storage_nbytes=int(size),
+                    storage_offset=int(offset),
+                    ref_counter_handle=bytes(counter_handle),
+                    ref_counter_offset=int(counter_offset),
+                    event_handle=bytes(event_handle or b""),
+                    event_sync_required=bool(event_sync),
+                    tensor_offset=tensor.storage_offset() * tensor.element_size(),
+                )
+            )
+        return encode_records(records)
+
+    # ------------------------------------------------------------------ consumer
+
+    def _open(self, request: FetchRequest) -> list[torch.Tensor]:
+        """The producer's tensors, mapped into this process (opened once per object)."""
+        if request.handle is None:
+            raise TransportUnavailableError("cuda_ipc: the reference carries no IPC handle")
+        records = decode_records(request.handle)
+        if len(records) != len(request.metas):
+            raise TransportError("cuda_ipc: handle and metadata disagree")
+        torch.cuda.init()
+        owner = request.owner
+        if owner.same_machine(self.context.peer) and not topology.process_alive(owner.pid, owner.start_time):
+            with self._lock:
+                self._opened.pop(request.object_id, None)  # its memory went with it
+            self.context.check_owner(request)  # raises OwnerDiedError
+        with self._lock:
+            opened = self._opened.setdefault(request.object_id, {})
+        tensors = []
+        for record, meta in zip(records, request.metas, strict=True):
+            dtype = getattr(torch, meta.dtype)
+            index = topology.local_cuda_index(record.device_uuid)
+            if index is None:
+                raise TransportUnavailableError(f"cuda_ipc: this process cannot see GPU {record.device_uuid}")
+            if not record.handle:
+                tensors.append(torch.empty(meta.shape, dtype=dtype, device=torch.device("cuda", index)))
+                continue
+            key = (record.handle, record.storage_offset)
+            storage = opened.get(key)
+            if storage is None:
+                try:
+                    storage = torch.UntypedStorage._new_shared_cuda(
+                        index,
+                        record.handle,
+                        record.storage_nbytes,
+                        record.storage_offset,
+                        record.ref_counter_handle,
+                        record.ref_counter_offset,
+                        record.event_handle or None,
+                        record.event_sync_required,
+                    )
+                except RuntimeError as e:
+                    self.context.check_owner(request)  # the owner exited or freed it: say so
+                    raise TransportError(f"cuda_ipc: cannot open the producer's allocation: {e}") from None
+                opened[key] = storage
+            element = torch.empty(0, dtype=dtype).element_size()
+            tensor = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
+            tensor.set_(storage, record.tensor_offset // element, meta.shape)
+            tensors.append(tensor)
+        return tensors
+
+    def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
+        """Copy into ``dst`` on the consumer's current stream (host ``dst``: synchronous)."""
+        sources = self._open(request)
+        events = []
+        for source, target in zip(sources, dst, strict=True):
+            if source.numel() == 0:
+                continue
+            target.copy_(source, non_blocking=target.device.type == "cuda")
+            if target.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(target.device))
+                events.append(event)
+        if events:
+            with self._lock:
+                self._pending.setdefault(request.object_id, []).extend(events)
+
+    def view(self, request: FetchRequest) -> list[torch.Tensor]:
+        """The producer's tensors themselves (same GPU: no copy). Writes reach the producer."""
+        return self._open(request)
+
+    def forget_object(self, object_id: bytes) -> None:
+        with self._lock:
+            storages = self._opened.pop(object_id, None)
+            events = self._pending.pop(object_id, [])
+        for event in events:
+            event.synchronize()  # copies out of the mapping finished before it closes
+        del storages  # closes the mappings (torch synchronises the device's stream first)
+
+    def close(self) -> None:
+        with self._lock:
+            ids = list(self._opened)
+        for object_id in ids:
+            self.forget_object(object_id)

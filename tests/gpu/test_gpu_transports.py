@@ -1,0 +1,146 @@
+"""GPU transports on real hardware (marked ``gpu`` / ``multi_gpu``; skipped without GPUs).
+
+Run them with ``benchmarks/device_check.sh`` on a machine with an NVIDIA GPU. Every case
+checks a digest of what arrived and where it landed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+
+import pytest
+import torch
+
+import tensorwire as tw
+from tests.helpers.procs import Worker
+from tests.helpers.tasks import digest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def producer():
+    w = Worker()
+    yield w
+    w.close()
+
+
+def test_cuda_ipc_same_gpu_between_processes(producer):
+    ref, expected = producer.call("tests.helpers.gpu_tasks:put_cuda_state", seed=1)
+    value = tw.get(ref, transport="cuda_ipc")
+    assert digest(value) == expected
+    assert {t.device.type for t in value.values()} == {"cuda"}
+    assert tw.stats()["recent"][-1].transport == "cuda_ipc"
+    again = tw.get(ref)  # automatic choice on one node, one GPU
+    assert digest(again) == expected
+    assert tw.stats()["recent"][-1].transport == "cuda_ipc", tw.stats()["recent"][-1].reason
+
+
+def test_cuda_ipc_into_existing_gpu_buffers(producer):
+    ref, expected = producer.call("tests.helpers.gpu_tasks:put_cuda_state", seed=2)
+    out = {k: torch.empty_like(v) for k, v in tw.get(ref, transport="cuda_ipc").items()}
+    pointers = {k: v.data_ptr() for k, v in out.items()}
+    got = tw.get(ref, out=out, transport="cuda_ipc")
+    assert digest(got) == expected
+    assert {k: v.data_ptr() for k, v in got.items()} == pointers
+
+
+def test_cuda_ipc_zero_copy_view_shares_the_producers_memory(producer):
+    ref = producer.call("tests.helpers.gpu_tasks:put_cuda_filled", 1 << 20, fill=5)
+    consumer = Worker()
+    try:
+        seen = consumer.call("tests.helpers.gpu_tasks:get_view_and_write", ref)
+        assert seen == {"zero_copy": True, "first": 5, "device": "cuda:0"}
+        assert producer.call("tests.helpers.gpu_tasks:read_first", "filled") == 99  # documented: views share memory
+    finally:
+        consumer.close()
+
+
+def test_stream_ordering_producer_kernel_still_running(producer):
+    ref = producer.call("tests.helpers.gpu_tasks:put_after_slow_kernel", 64 << 20, fill=9)
+    value = tw.get(ref, transport="cuda_ipc")  # sent while the producer's kernel may still run
+    torch.cuda.synchronize()
+    assert int(value.min()) == 9 and int(value.max()) == 9
+
+
+def test_cuda_value_to_a_process_without_gpu_lands_on_cpu(producer):
+    ref, expected = producer.call("tests.helpers.gpu_tasks:put_cuda_state", seed=3)
+    cpu_only = Worker(env={"CUDA_VISIBLE_DEVICES": ""})
+    try:
+        got = cpu_only.call("tests.helpers.gpu_tasks:get_on_device", ref, transport="host")
+        assert got == {"digest": expected, "transport": "host", "devices": ["cpu"]}
+    finally:
+        cpu_only.close()
+
+
+def test_device_argument_is_honored(producer):
+    ref, expected = producer.call("tests.helpers.gpu_tasks:put_cuda_state", seed=4)
+    value = tw.get(ref, device="cpu")
+    assert digest(value) == expected
+    assert {t.device.type for t in value.values()} == {"cpu"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed on this machine")
+def test_ucx_moves_cuda_memory(producer):
+    ref, expected = producer.call("tests.helpers.gpu_tasks:put_cuda_state", seed=5)
+    value = tw.get(ref, transport="ucx")
+    assert digest(value) == expected
+    assert {t.device.type for t in value.values()} == {"cuda"}
+
+
+def test_producer_killed_after_export_never_yields_garbage(producer):
+    ref = producer.call("tests.helpers.gpu_tasks:put_cuda_filled", 256 << 20, fill=3)
+    outcome: list[object] = []
+
+    def fetch() -> None:
+        try:
+            value = tw.get(ref, transport="cuda_ipc", timeout_s=30)
+            torch.cuda.synchronize()
+            outcome.append(("ok", int(value.min()), int(value.max())))
+        except tw.TensorwireError as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=fetch)
+    thread.start()
+    time.sleep(0.01)
+    producer.kill()
+    thread.join(40)
+    assert not thread.is_alive(), "the fetch hung after its producer died"
+    assert outcome[0] == ("ok", 3, 3) or isinstance(outcome[0], tw.TensorwireError), outcome[0]
+    with pytest.raises((tw.OwnerDiedError, tw.TransportError)):
+        tw.get(ref, transport="cuda_ipc", timeout_s=10)
+
+
+def test_ray_actors_with_fractional_gpus_share_one_gpu():
+    ray = pytest.importorskip("ray", reason="ray is not installed on this machine")
+    from tests.integration.conftest import ray_session
+
+    @tw.remote(num_gpus=0.5)
+    class Holder:
+        def make(self) -> dict:
+            import torch as t
+
+            return {"w": t.arange(1 << 20, dtype=t.float32, device="cuda")}
+
+        def total(self, state: dict) -> float:
+            return float(state["w"].sum().item())
+
+    with ray_session():
+        tw.init(num_gpus=1, include_dashboard=False)
+        try:
+            a, b = Holder.remote(), Holder.remote()
+            total = ray.get(b.total.remote(a.make.remote()))
+            assert total == float(sum(range(1 << 20)))
+        finally:
+            ray.shutdown()
+
+
+@pytest.mark.multi_gpu
+def test_cuda_ipc_and_nccl_between_two_gpus(producer):
+    ref, expected = producer.call("tests.helpers.gpu_tasks:put_cuda_state", seed=6)
+    for transport in ("cuda_ipc", "nccl"):
+        value = tw.get(ref, transport=transport, device="cuda:1")
+        assert digest(value) == expected
+        assert {str(t.device) for t in value.values()} == {"cuda:1"}
