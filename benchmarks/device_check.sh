@@ -50,4 +50,15 @@ status=$?
 start=$(date +%s)
 timeout 150 "$py" -m benchmarks.gpu >> "$report" 2> "$out/bench.log"
 echo "(benchmark exit status $? after $(( $(date +%s) - start )) s)" >> "$report"
+
+{
+    echo
+    echo "## tensorwire topo and doctor"
+    echo
+    echo '```'
+    timeout 60 "$py" -m tensorwire topo 2>&1 | tail -25
+    echo
+    timeout 90 "$py" -m tensorwire doctor 2>&1 | tail -30
+    echo '```'
+} >> "$report"
 cat "$report"

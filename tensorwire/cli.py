@@ -93,7 +93,7 @@ def _doctor_child(conn: Any, env: dict[str, str]) -> None:
         ref, transport = message
         try:
             value = tw.get(ref, transport=transport, timeout_s=30)
-            conn.send(("ok", hashlib.sha256(value.numpy().tobytes()).hexdigest()))
+            conn.send(("ok", hashlib.sha256(value.cpu().numpy().tobytes()).hexdigest()))
         except Exception as e:  # noqa: BLE001 - reported to the doctor
             conn.send(("fail", f"{type(e).__name__}: {e}"))
 
@@ -108,6 +108,7 @@ def _doctor() -> list[tuple[str, str, str]]:
     import tensorwire as tw
     from tensorwire.runtime.ray_env import agent as runtime_agent
     from tensorwire.transport import registry
+    from tensorwire.transport.base import MemoryKind
     from tensorwire.transport.topology import describe_node
 
     results: list[tuple[str, str, str]] = []
@@ -145,14 +146,18 @@ def _doctor() -> list[tuple[str, str, str]]:
         for name in registry.registered_transports():
             caps = registry.get_transport_class(name).capabilities
             if name in agent.unusable_transports():
-                results.append((f"transport {name}", "fail", agent.unusable_transports()[name]))
+                # Missing hardware or an optional library is a warning; a broken plug-in fails.
+                reason = agent.unusable_transports()[name]
+                results.append((f"transport {name}", "fail" if "failed to load" in reason else "warn", reason))
                 continue
             value = small if name == "inline" else large
             expected = digests[id(value)]
+            if MemoryKind.HOST not in caps.memory:  # a GPU-only transport moves a GPU copy
+                value = value.cuda()
             size = f"{value.numel() // 1024} KiB"
             if caps.same_process:
                 got = tw.get(tw.put(value), transport=name)
-                ok = hashlib.sha256(got.numpy().tobytes()).hexdigest() == expected
+                ok = hashlib.sha256(got.cpu().numpy().tobytes()).hexdigest() == expected
                 results.append((f"transport {name}", "ok" if ok else "fail", f"same process, {size}"))
                 continue
             for where, (conn, _process) in peers.items():

@@ -27,7 +27,8 @@ def test_topo_json_describes_this_node():
     assert report["cpus"] == os.cpu_count()
     assert report["shared_memory"]["total_nbytes"] > 0
     usable = {"local", "inline", "shm", "host", "gloo", "ucx"}  # ucxx is in the test extra
-    assert report["transports"] == dict.fromkeys(usable, "usable")
+    assert {k for k, v in report["transports"].items() if v == "usable"} == usable
+    assert report["transports"]["cuda_ipc"] == "no CUDA device visible to this process"
     nvidia = report["accelerators"]["nvidia"]
     assert nvidia["resource"] == "GPU" and nvidia["visibility_env"] == ["CUDA_VISIBLE_DEVICES"]
     if not nvidia["devices"]:
@@ -69,6 +70,9 @@ def test_doctor_checks_every_transport_with_a_real_transfer():
     details = {(r["check"], r["detail"]) for r in results}
     for name in ("host", "gloo", "ucx"):  # the cross-node paths were exercised
         assert (f"transport {name}", "other node, 1024 KiB") in details
+    gpu_only = {r["check"]: r for r in results if r["check"] in ("transport cuda_ipc", "transport nccl")}
+    assert {r["status"] for r in gpu_only.values()} == {"warn"}  # no GPU here: a warning with the reason
+    assert gpu_only["transport nccl"]["detail"] == "no CUDA device visible to this process"
     ucx = next(r for r in results if r["check"] == "UCX transports")  # which UCX transports are active
     assert ucx["status"] == "warn" and "tcp" in ucx["detail"] and "no InfiniBand" in ucx["detail"]
     nvml = next(r for r in results if r["check"] == "NVML")

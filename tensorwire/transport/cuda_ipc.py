@@ -134,8 +134,8 @@ class CudaIpcTransport(Transport):
     def __init__(self, context: Any) -> None:
         super().__init__(context)
         self._lock = threading.Lock()
-        self._opened: dict[bytes, dict[tuple[bytes, int], torch.UntypedStorage]] = {}  # object id -> storages
-        self._pending: dict[bytes, list[torch.cuda.Event]] = {}  # object id -> copies in flight
+        self._opened: dict[bytes, list[torch.Tensor]] = {}  # object id -> the producer's tensors, mapped
+        self._pending: dict[bytes, dict[torch.device, torch.cuda.Event]] = {}  # object id -> last copy per device
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():
@@ -181,79 +181,90 @@ class CudaIpcTransport(Transport):
 
     def _open(self, request: FetchRequest) -> list[torch.Tensor]:
         """The producer's tensors, mapped into this process (opened once per object)."""
-        if request.handle is None:
-            raise TransportUnavailableError("cuda_ipc: the reference carries no IPC handle")
-        records = decode_records(request.handle)
-        if len(records) != len(request.metas):
-            raise TransportError("cuda_ipc: handle and metadata disagree")
-        torch.cuda.init()
         owner = request.owner
         if owner.same_machine(self.context.peer) and not topology.process_alive(owner.pid, owner.start_time):
             with self._lock:
                 self._opened.pop(request.object_id, None)  # its memory went with it
             self.context.check_owner(request)  # raises OwnerDiedError
         with self._lock:
-            opened = self._opened.setdefault(request.object_id, {})
+            cached = self._opened.get(request.object_id)
+        if cached is not None:
+            return cached
+        if request.handle is None:
+            raise TransportUnavailableError("cuda_ipc: the reference carries no IPC handle")
+        records = decode_records(request.handle)
+        if len(records) != len(request.metas):
+            raise TransportError("cuda_ipc: handle and metadata disagree")
+        torch.cuda.init()
+        storages: dict[tuple[bytes, int], torch.UntypedStorage] = {}  # tensors of one block share it
         tensors = []
         for record, meta in zip(records, request.metas, strict=True):
             dtype = getattr(torch, meta.dtype)
             index = topology.local_cuda_index(record.device_uuid)
             if index is None:
                 raise TransportUnavailableError(f"cuda_ipc: this process cannot see GPU {record.device_uuid}")
+            device = torch.device("cuda", index)
             if not record.handle:
-                tensors.append(torch.empty(meta.shape, dtype=dtype, device=torch.device("cuda", index)))
+                tensors.append(torch.empty(meta.shape, dtype=dtype, device=device))
                 continue
             key = (record.handle, record.storage_offset)
-            storage = opened.get(key)
-            if storage is None:
-                try:
-                    storage = torch.UntypedStorage._new_shared_cuda(
-                        index,
-                        record.handle,
-                        record.storage_nbytes,
-                        record.storage_offset,
-                        record.ref_counter_handle,
-                        record.ref_counter_offset,
-                        record.event_handle or None,
-                        record.event_sync_required,
-                    )
-                except RuntimeError as e:
-                    self.context.check_owner(request)  # the owner exited or freed it: say so
-                    raise TransportError(f"cuda_ipc: cannot open the producer's allocation: {e}") from None
-                opened[key] = storage
+            if key not in storages:
+                storages[key] = self._open_storage(request, record, index)
             element = torch.empty(0, dtype=dtype).element_size()
-            tensor = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
-            tensor.set_(storage, record.tensor_offset // element, meta.shape)
+            tensor = torch.empty(0, dtype=dtype, device=device)
+            tensor.set_(storages[key], record.tensor_offset // element, meta.shape)
             tensors.append(tensor)
-        return tensors
+        with self._lock:
+            return self._opened.setdefault(request.object_id, tensors)
+
+    def _open_storage(self, request: FetchRequest, record: IpcRecord, index: int) -> torch.UntypedStorage:
+        try:
+            return torch.UntypedStorage._new_shared_cuda(
+                index,
+                record.handle,
+                record.storage_nbytes,
+                record.storage_offset,
+                record.ref_counter_handle,
+                record.ref_counter_offset,
+                record.event_handle or None,
+                record.event_sync_required,
+            )
+        except RuntimeError as e:
+            self.context.check_owner(request)  # the owner exited or freed it: say so
+            raise TransportError(f"cuda_ipc: cannot open the producer's allocation: {e}") from None
 
     def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
         """Copy into ``dst`` on the consumer's current stream (host ``dst``: synchronous)."""
         sources = self._open(request)
-        events = []
+        devices = set()
         for source, target in zip(sources, dst, strict=True):
             if source.numel() == 0:
                 continue
             target.copy_(source, non_blocking=target.device.type == "cuda")
             if target.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(target.device))
-                events.append(event)
-        if events:
+                devices.add(target.device)
+        if devices:
             with self._lock:
-                self._pending.setdefault(request.object_id, []).extend(events)
+                events = self._pending.setdefault(request.object_id, {})
+            for device in devices:  # the last copy on each device; mappings close after it
+                event = events.setdefault(device, torch.cuda.Event())
+                event.record(torch.cuda.current_stream(device))
 
     def view(self, request: FetchRequest) -> list[torch.Tensor]:
-        """The producer's tensors themselves (same GPU: no copy). Writes reach the producer."""
-        return self._open(request)
+        """The producer's tensors themselves (same GPU: no copy). Writes reach the producer.
+
+        New tensor objects on the cached mappings: the agent ties the object's hold to their
+        lifetime, so a mapping stays open while any view of it lives.
+        """
+        return [t.detach() for t in self._open(request)]
 
     def forget_object(self, object_id: bytes) -> None:
         with self._lock:
-            storages = self._opened.pop(object_id, None)
-            events = self._pending.pop(object_id, [])
-        for event in events:
+            mapped = self._opened.pop(object_id, None)
+            events = self._pending.pop(object_id, {})
+        for event in events.values():
             event.synchronize()  # copies out of the mapping finished before it closes
-        del storages  # closes the mappings (torch synchronises the device's stream first)
+        del mapped  # closes the mappings (when no view holds them)
 
     def close(self) -> None:
         with self._lock:

@@ -34,8 +34,9 @@ class _Works(PostedOps):
     """Gloo send/recv works learn of their completion only inside a blocking ``wait`` (and a
     wait that times out fails the work for good), and a wait does not always return when the
     peer dies. So a helper thread waits for the works once, with the remaining time, while
-    the caller runs ``check`` every quarter second and gives up as soon as it fails (the
-    transport then aborts the group, so nothing more is written into the buffers)."""
+    the caller runs ``check`` every quarter second and gives up as soon as it fails. The
+    helper's own wait ends by the same deadline, and a timed-out gloo wait closes the pair,
+    so nothing is written into the buffers after the deadline."""
 
     def __init__(self, group: Any, works: list[Any], buffers: Sequence[torch.Tensor]) -> None:
         self._group = group
@@ -58,9 +59,10 @@ class _Works(PostedOps):
     def wait(self, deadline: float, check: Callable[[], None], what: str) -> None:
         outcome: list[BaseException | None] = []
         done = threading.Event()
-        threading.Thread(
-            target=self._wait_all, args=(deadline, outcome, done), name="tensorwire-gloo-wait", daemon=True
-        ).start()
+        # Not a daemon: a gloo wait cannot be interrupted (aborting the group does not wake it),
+        # and a daemon thread that returns from it while the interpreter shuts down aborts the
+        # process. It ends by the request's deadline at the latest; exit waits for it.
+        threading.Thread(target=self._wait_all, args=(deadline, outcome, done), name="tensorwire-gloo-wait").start()
         while not done.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 raise TransferTimeoutError(f"{what}: not complete before the deadline")

@@ -144,3 +144,31 @@ def test_cuda_ipc_and_nccl_between_two_gpus(producer):
         value = tw.get(ref, transport=transport, device="cuda:1")
         assert digest(value) == expected
         assert {str(t.device) for t in value.values()} == {"cuda:1"}
+
+
+def _wait_owned(producer, expected: int) -> tuple[int, int]:
+    deadline = time.monotonic() + 15
+    while True:
+        owned, allocated = producer.call("tests.helpers.gpu_tasks:owned_and_allocated")
+        if owned == expected or time.monotonic() > deadline:
+            return owned, allocated
+
+
+def test_cuda_ipc_mappings_hold_the_object_until_released(producer):
+    import gc
+
+    base_owned, base_allocated = _wait_owned(producer, 0)
+    ref = producer.call("tests.helpers.gpu_tasks:put_cuda_unkept", 64 << 20)
+    copy = tw.get(ref, transport="cuda_ipc")
+    view = tw.get(ref, transport="cuda_ipc", view=True)
+    assert int(copy[0]) == 4 and int(view[-1]) == 4
+    del ref, copy
+    gc.collect()
+    time.sleep(2)  # a release would have reached the producer by now
+    owned, _ = producer.call("tests.helpers.gpu_tasks:owned_and_allocated")
+    assert owned == base_owned + 1  # the view still holds the object
+    del view
+    gc.collect()
+    owned, allocated = _wait_owned(producer, base_owned)
+    assert owned == base_owned  # released, then freed by the producer
+    assert allocated <= base_allocated + (1 << 20)  # its GPU memory went back (no IPC limbo)

@@ -70,3 +70,16 @@ def get_view_and_write(ref: tw.Ref) -> dict[str, Any]:
     view[0] = 99
     torch.cuda.synchronize()
     return {"zero_copy": record.zero_copy, "first": first, "device": str(view.device)}
+
+
+def put_cuda_unkept(nbytes: int) -> tw.Ref:
+    """A CUDA value held only by tensorwire (freed when no process holds a reference)."""
+    return tw.put(torch.full((nbytes,), 4, dtype=torch.uint8, device="cuda"))
+
+
+def owned_and_allocated() -> tuple[int, int]:
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    return tw.stats()["objects_owned"], torch.cuda.memory_allocated()
