@@ -248,7 +248,11 @@ class Agent(TransportContext):
                 return dict(entry.handles)
             handles: dict[str, bytes] = {}
             memory = {m.memory for m in entry.stored.metas}
-            exporters = [n for n, t in self._transports.items() if t.capabilities.needs_export]
+            exporters = [
+                n
+                for n, t in self._transports.items()
+                if t.capabilities.needs_export and not t.capabilities.export_per_consumer
+            ]
             exporters.sort(key=lambda n: n != "inline")
             for name in exporters:
                 transport = self._transports[name]
@@ -274,10 +278,11 @@ class Agent(TransportContext):
     def _export_on_request(self, entry: _Entry, name: str) -> bytes:
         """Producer: export ``entry`` for transport ``name`` now (a consumer forced it)."""
         transport = self._transports.get(name)
-        if transport is None or not transport.capabilities.needs_export:
+        if transport is None or not (transport.capabilities.needs_export or transport.capabilities.export_per_consumer):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"transport {name!r} cannot export here")
+        per_consumer = transport.capabilities.export_per_consumer
         with entry.export_lock:
-            if entry.handles is not None and name in entry.handles:
+            if not per_consumer and entry.handles is not None and name in entry.handles:
                 return entry.handles[name]
             try:
                 handle = transport.export(entry.stored)
@@ -290,7 +295,8 @@ class Agent(TransportContext):
                     f"{name} declined to export this object of {entry.stored.nbytes} bytes"
                     f"{limit if name == 'inline' else ''}",
                 )
-            entry.handles = {**(entry.handles or {}), name: handle}
+            if not per_consumer:  # a per-consumer handle is this consumer's alone
+                entry.handles = {**(entry.handles or {}), name: handle}
             return handle
 
     def free(self, desc: ObjectDescriptor, *, timeout_s: float | None = None) -> None:

@@ -13,6 +13,7 @@ capability             methods
 =====================  ==========================================================
 every transport        ``fetch`` (consumer), ``release`` (producer, may be a no-op)
 ``needs_export``       ``export`` (producer)
+``export_per_consumer`` ``export`` (producer, once per consumer process, on its request)
 ``one_sided=False``    ``serve`` (producer, on an agent service thread); transports
                        built on :class:`~tensorwire.transport.two_sided.TwoSidedTransport`
                        implement its connection and post hooks instead
@@ -86,6 +87,10 @@ class Capabilities:
             (compared by UUID), e.g. to open CUDA IPC handles.
         distinct_devices: Producer and consumer must use different GPUs, and the consumer
             must receive into GPU memory (NCCL refuses two ranks on one GPU).
+        export_per_consumer: Nothing is exported when a reference leaves the producer; each
+            consumer process asks the owner for its own handle (``export`` runs once per
+            consumer, through ``TransportContext.request_export``), e.g. because a handle may
+            be opened only once (CUDA IPC reference counts).
     """
 
     one_sided: bool
@@ -99,6 +104,7 @@ class Capabilities:
     staged: bool = False
     needs_device_access: bool = False
     distinct_devices: bool = False
+    export_per_consumer: bool = False
 
 
 @dataclass(frozen=True)
@@ -255,6 +261,10 @@ class TransportContext(ABC):
     @abstractmethod
     def local_object(self, object_id: bytes, token: bytes) -> StoredObject:
         """Consumer in the owner's own process: the stored object (raises if freed or token wrong)."""
+
+    @abstractmethod
+    def request_export(self, request: FetchRequest, transport: str) -> bytes:
+        """Consumer: ask the owner to run ``transport.export`` for this process now."""
 
     @abstractmethod
     def connect(

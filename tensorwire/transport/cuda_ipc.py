@@ -1,26 +1,32 @@
 """``cuda_ipc``: CUDA memory between processes of one node, one-sided, through CUDA IPC.
 
-UNVERIFIED on this project's build machines (no GPU); see ``docs/performance.md`` for what
-the device check measured.
+Verified on one NVIDIA H200 (``benchmarks/device_check.sh``; see ``docs/performance.md``);
+the build machines have no GPU.
 
-Producer, when a reference first leaves the process: torch's own sharing path
-(``UntypedStorage._share_cuda_``) gives, per tensor, the IPC handle of the caching
-allocator's *block* the tensor lives in (tensors of one block share it; the offset travels
-alongside) and an interprocess event recorded on the current stream after the work that
-produced the tensors (the stream first waits for the events recorded at ``put``). Going
-through torch handles expandable segments the way torch supports them. torch's IPC reference
-counter is released at once: the object's lifetime is governed by tensorwire's holder
-protocol (the producer keeps the tensors until no process holds a reference), not by the
-caching allocator's "limbo".
+Each consumer process asks the owner once per object for its own handle (an ``Export``
+call; ``export_per_consumer``), then maps it and reads with no further work on the producer.
+The producer uses torch's own sharing path (``UntypedStorage._share_cuda_``): per tensor, the
+IPC handle of the caching allocator's *block* the tensor lives in (tensors of one block share
+it; the offset travels alongside) and an interprocess event recorded on the current stream
+after the work that produced the tensors (the stream first waits for the events recorded at
+``put``). Going through torch handles expandable segments the way torch supports them.
+
+Why one handle per consumer: each ``_share_cuda_`` result carries one count in torch's IPC
+reference counter, and exactly one consumer's mapping must release it. A handle opened by
+none or by two consumers leaves the block in torch's "limbo" after the producer frees it
+(measured on the H200: 64 MiB stayed allocated). With one share per consumer the count
+balances and the producer's memory returns as soon as tensorwire frees the object, which it
+does only after every consumer released its reference (holder protocol), and consumers
+close their mappings before they release. Known gap: a consumer killed while it holds a
+mapping never releases its count, so that block stays allocated until the producer exits.
 
 Consumer: devices are matched by physical UUID, never by index, so producer and consumer may
 see different ``CUDA_VISIBLE_DEVICES``. Handles are opened once per object and process
-(``_new_shared_cuda``, which makes the consumer's current stream wait on the producer's
-event: no host synchronisation) and kept until the consumer's last reference to the object
-is gone; then the copies are synchronised and the mappings closed, before the owner hears of
-the release. ``fetch`` copies into the consumer's buffers on its current stream (another GPU
-copies peer to peer where CUDA allows it); ``view`` returns tensors on the mapping itself
-(same GPU), which keep the object held while they live.
+(``_new_shared_cuda`` makes the consumer's current stream wait on the producer's event: no
+host synchronisation) and kept until the consumer's last reference to the object is gone.
+``fetch`` copies into the consumer's buffers on its current stream (another GPU copies peer
+to peer where CUDA allows it); ``view`` returns tensors on the mapping itself (same memory as
+the producer's: treat as read-only), which keep the object held while they live.
 """
 
 from __future__ import annotations
@@ -126,9 +132,9 @@ class CudaIpcTransport(Transport):
         same_node=True,
         cross_node=False,
         memory=frozenset({MemoryKind.CUDA}),
-        needs_export=True,
         zero_copy_view=True,
         needs_device_access=True,
+        export_per_consumer=True,
     )
 
     def __init__(self, context: Any) -> None:
@@ -160,8 +166,6 @@ class CudaIpcTransport(Transport):
                     logger.info("cuda_ipc: torch cannot share this allocation (%s); other transports serve it", e)
                     return None
             device, handle, size, offset, counter_handle, counter_offset, event_handle, event_sync = shared
-            # Lifetime is ours (holder protocol), not torch's IPC reference counter: release it.
-            torch.UntypedStorage._release_ipc_counter(counter_handle, counter_offset, device=device)
             records.append(
                 IpcRecord(
                     device_uuid=meta.device_uuid or topology.cuda_uuid(device),
@@ -190,9 +194,8 @@ class CudaIpcTransport(Transport):
             cached = self._opened.get(request.object_id)
         if cached is not None:
             return cached
-        if request.handle is None:
-            raise TransportUnavailableError("cuda_ipc: the reference carries no IPC handle")
-        records = decode_records(request.handle)
+        handle = request.handle or self.context.request_export(request, self.name)  # this process's own share
+        records = decode_records(handle)
         if len(records) != len(request.metas):
             raise TransportError("cuda_ipc: handle and metadata disagree")
         torch.cuda.init()

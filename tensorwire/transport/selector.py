@@ -99,7 +99,13 @@ def _why_not(  # noqa: PLR0917 - private helper over the selector's inputs
         return "same-node transfers not supported"
     if not same_node and not caps.cross_node:
         return f"different node ({src.node_id} -> {dst.node_id})"
-    if not same_process and caps.needs_export and name not in obj.exported and not forced:
+    if (
+        not same_process
+        and caps.needs_export
+        and name not in obj.exported
+        and not forced
+        and not caps.export_per_consumer
+    ):
         return "the reference carries no handle for it (the object went inline, or export failed)"
     if not same_process and not caps.one_sided and not caps.needs_export and name not in src.transports:
         return "producer does not offer it"

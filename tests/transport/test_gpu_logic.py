@@ -48,7 +48,7 @@ def cuda_object(src: str, dst: str | None, nbytes: int = 64 << 20) -> ObjectSumm
     return ObjectSummary(
         nbytes=nbytes,
         memory=CUDA,
-        exported=frozenset({"cuda_ipc"}),
+        exported=frozenset(),  # cuda_ipc handles are asked for per consumer, never carried
         src_devices=frozenset({src}),
         dst_devices=frozenset({dst}) if dst else frozenset(),
     )
