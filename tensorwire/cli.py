@@ -90,9 +90,9 @@ def _doctor_child(conn: Any, env: dict[str, str]) -> None:
         message = conn.recv()
         if message is None:
             return
-        ref, transport = message
+        ref, transport, device = message
         try:
-            value = tw.get(ref, transport=transport, timeout_s=30)
+            value = tw.get(ref, transport=transport, device=device, timeout_s=30)
             conn.send(("ok", hashlib.sha256(value.cpu().numpy().tobytes()).hexdigest()))
         except Exception as e:  # noqa: BLE001 - reported to the doctor
             conn.send(("fail", f"{type(e).__name__}: {e}"))
@@ -152,8 +152,17 @@ def _doctor() -> list[tuple[str, str, str]]:
                 continue
             value = small if name == "inline" else large
             expected = digests[id(value)]
+            device = None
             if MemoryKind.HOST not in caps.memory:  # a GPU-only transport moves a GPU copy
-                value = value.cuda()
+                value = value.cuda(0)
+            if caps.distinct_devices:  # NCCL: the peer receives on another GPU
+                gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                if gpus < 2:
+                    results.append(
+                        (f"transport {name}", "warn", f"needs two GPUs (one per process); this machine has {gpus}")
+                    )
+                    continue
+                device = "cuda:1"
             size = f"{value.numel() // 1024} KiB"
             if caps.same_process:
                 got = tw.get(tw.put(value), transport=name)
@@ -163,7 +172,7 @@ def _doctor() -> list[tuple[str, str, str]]:
             for where, (conn, _process) in peers.items():
                 if where == "other node" and not caps.cross_node:
                     continue
-                conn.send((tw.put(value), name))
+                conn.send((tw.put(value), name, device))
                 if not conn.poll(60):
                     results.append((f"transport {name}", "fail", f"{where}: no answer within 60 s"))
                     continue
