@@ -212,6 +212,34 @@ def _ucx_report(agent: Any) -> list[tuple[str, str, str]]:
     return [("UCX transports", "ok", line)]
 
 
+def _bench(args: argparse.Namespace) -> int:
+    if not args.calibrate:
+        print(
+            "tensorwire bench: only --calibrate is built so far; the comparisons live in benchmarks/ "
+            "(python -m benchmarks.two_sided, python -m benchmarks.ray_compare, bash benchmarks/device_check.sh)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.max_bytes < 1 << 20 or args.iters < 1:
+        print("tensorwire bench: --max-bytes must be at least 1 MiB and --iters at least 1", file=sys.stderr)
+        return 2
+    from tensorwire.calibrate import calibrate
+    from tensorwire.transport.calibration import costs_path, save_costs
+
+    print(
+        f"calibrating with {args.max_bytes} B values, {args.iters} repeats (small values: just past the inline limit):"
+    )
+    costs, notes = calibrate(args.max_bytes, args.iters)
+    for note in notes:
+        print(f"  skipped {note}")
+    if not costs:
+        print("nothing measured; no table written", file=sys.stderr)
+        return 1
+    path = save_costs(costs, args.output or costs_path())
+    print(f"wrote {path}: agents started from now on rank transports by it")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tensorwire", description="tensorwire tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -220,7 +248,20 @@ def main(argv: list[str] | None = None) -> int:
     topo.add_argument("--address", default="", help="a Ray cluster address: report every node of it")
     doctor = commands.add_parser("doctor", help="check every transport with a real transfer; say what to fix")
     doctor.add_argument("--json", action="store_true", help="print JSON")
+    bench = commands.add_parser(
+        "bench", help="transport benchmarks; --calibrate measures this machine for the selector"
+    )
+    bench.add_argument(
+        "--calibrate", action="store_true", help="measure every transport and write this machine's cost table"
+    )
+    bench.add_argument(
+        "-e", "--max-bytes", type=int, default=64 << 20, help="large size for bandwidth (default 64 MiB)"
+    )
+    bench.add_argument("-n", "--iters", type=int, default=5, help="timed repeats of the large size (default 5)")
+    bench.add_argument("--output", default="", help="where to write the table (default: this machine's cost file)")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
     if args.command == "doctor":
         results = _doctor()
         if args.json:

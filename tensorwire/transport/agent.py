@@ -47,7 +47,7 @@ from tensorwire.errors import (
     TensorwireError,
     TransferTimeoutError,
 )
-from tensorwire.transport import metrics, registry, selector, topology
+from tensorwire.transport import calibration, metrics, registry, selector, topology
 from tensorwire.transport.base import (
     Capabilities,
     FetchRequest,
@@ -148,7 +148,9 @@ class Agent(TransportContext):
             unix_address=self._server.unix_address,
             tcp_address=self._server.tcp_address,
             devices=topology.visible_devices(),
+            gpu_links=topology.gpu_links(),
         )
+        self._costs = calibration.load_costs()  # this machine's `tensorwire bench --calibrate`, if any
         self._refresh_transports()
         metrics.enable_prometheus()  # when prometheus-client is installed
         self._outbox = Outbox(
@@ -810,7 +812,13 @@ class Agent(TransportContext):
             dst_devices=frozenset(topology.cuda_uuid(t.index or 0) for t in (targets or ()) if t.type == "cuda"),
         )
         selection = selector.select(
-            desc.owner, self._peer, summary, self._capabilities, usable_here=frozenset(self._transports), forced=forced
+            desc.owner,
+            self._peer,
+            summary,
+            self._capabilities,
+            usable_here=frozenset(self._transports),
+            forced=forced,
+            costs=self._costs,
         )
         if not selection.choices:
             hint = " (forced by argument or TENSORWIRE_TRANSPORT)" if forced else ""

@@ -137,6 +137,17 @@ class PeerInfo:
     tcp_address: str = ""
     transports: tuple[str, ...] = ()
     devices: tuple[DeviceInfo, ...] = ()
+    gpu_links: tuple[tuple[str, str, str], ...] = ()  # (uuid, uuid, "nvlink" | "pcie" | "none")
+
+    def gpu_link(self, a: str, b: str) -> str:
+        """How this process's GPUs ``a`` and ``b`` (UUIDs) reach each other: "same",
+        "nvlink", "pcie", "none", or "" when unknown."""
+        if a == b:
+            return "same"
+        for x, y, kind in self.gpu_links:
+            if {x, y} == {a, b}:
+                return kind
+        return ""
 
     def same_process(self, other: PeerInfo) -> bool:
         return self.agent_id == other.agent_id

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
 
-__all__ = ["DEFAULT_COSTS", "Choice", "CostEstimate", "ObjectSummary", "Selection", "select"]
+__all__ = ["DEFAULT_COSTS", "LINK_BANDWIDTH_GBPS", "Choice", "CostEstimate", "ObjectSummary", "Selection", "select"]
+
+CUDA = MemoryKind.CUDA
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,9 @@ def _why_not(  # noqa: PLR0917 - private helper over the selector's inputs
         unseen = sorted(obj.src_devices - visible)
         if unseen or not obj.src_devices:
             return f"the consumer cannot see the producer's GPU {_short(unseen[0]) if unseen else '(unknown)'}"
+        for a, b in _gpu_pairs(obj):
+            if dst.gpu_link(a, b) == "none":
+                return f"no P2P between {_short(a)} and {_short(b)}"
     if caps.distinct_devices:
         if not obj.dst_devices:
             return "the consumer receives into host memory"
@@ -127,17 +132,38 @@ def _why_not(  # noqa: PLR0917 - private helper over the selector's inputs
     return None
 
 
+# Peer-to-peer bandwidth caps by link kind (GB/s), applied to GPU transports moving data
+# between two GPUs of one node; defaults until calibrated on such a machine.
+LINK_BANDWIDTH_GBPS = {"nvlink": 300.0, "pcie": 20.0, "none": 10.0}
+_LINK_NAMES = {"same": "same GPU", "nvlink": "NVLink P2P", "pcie": "PCIe P2P", "none": "no P2P"}
+
+
+def _gpu_pairs(obj: ObjectSummary) -> list[tuple[str, str]]:
+    return [(a, b) for a in sorted(obj.src_devices) for b in sorted(obj.dst_devices)]
+
+
+def _link(src: PeerInfo, dst: PeerInfo, obj: ObjectSummary) -> str:
+    """The slowest known link between the object's GPUs and the consumer's ("" if unknown)."""
+    if not src.same_node(dst):
+        return ""
+    kinds = [dst.gpu_link(a, b) for a, b in _gpu_pairs(obj)]
+    for kind in ("none", "pcie", "nvlink", "same"):
+        if kind in kinds:
+            return kind
+    return ""
+
+
 def _short(uuid: str) -> str:
     """A GPU UUID shortened for reasons: ``GPU-3f2a9c1e``."""
     return uuid[:12]
 
 
-def _devices(obj: ObjectSummary) -> str:
+def _devices(obj: ObjectSummary, link: str) -> str:
     if not obj.src_devices:
         return ""
     src = "+".join(_short(u) for u in sorted(obj.src_devices))
     dst = "+".join(_short(u) for u in sorted(obj.dst_devices)) or "host"
-    return f", {src} -> {dst}"
+    return f", {src} -> {dst}" + (f" {_LINK_NAMES[link]}" if link else "")
 
 
 def _where(src: PeerInfo, dst: PeerInfo) -> str:
@@ -173,6 +199,7 @@ def select(
         A :class:`Selection`; ``choices`` is empty when nothing can serve.
     """
     table = {**DEFAULT_COSTS, **(costs or {})}
+    link = _link(src, dst, obj)
     names = [forced] if forced else list(capabilities)
     choices: list[Choice] = []
     rejected: list[tuple[str, str]] = []
@@ -180,12 +207,15 @@ def select(
         caps = capabilities.get(name)
         reason = "not registered" if caps is None else _why_not(name, caps, src, dst, obj, usable_here, bool(forced))
         if reason is None:
-            choices.append(Choice(name, table.get(name, UNKNOWN_COST).seconds(obj.nbytes)))
+            cost = table.get(name, UNKNOWN_COST)
+            if link in LINK_BANDWIDTH_GBPS and caps is not None and CUDA in caps.memory:
+                cost = CostEstimate(cost.fixed_us, min(cost.bandwidth_gbps, LINK_BANDWIDTH_GBPS[link]))
+            choices.append(Choice(name, cost.seconds(obj.nbytes)))
         else:
             rejected.append((name, reason))
     choices.sort(key=lambda c: c.estimate_s)
     memory = "+".join(sorted(m.value for m in obj.memory)) or "no"
-    where = f"{_where(src, dst)}{_devices(obj)}, {memory} memory, {obj.nbytes} B"
+    where = f"{_where(src, dst)}{_devices(obj, link)}, {memory} memory, {obj.nbytes} B"
     if not choices:
         reason = f"{where}: no transport can serve" + "".join(f"; {n}: {r}" for n, r in rejected)
     else:

@@ -132,6 +132,49 @@ def local_cuda_index(uuid: str, devices: tuple[DeviceInfo, ...] | None = None) -
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def gpu_links() -> tuple[tuple[str, str, str], ...]:
+    """How this process's GPUs reach each other: ``(uuid_a, uuid_b, kind)`` per pair, kind
+    "nvlink", "pcie" (P2P over PCIe) or "none" (no P2P: copies go through the host). Empty
+    with fewer than two GPUs or without NVML (the selector then assumes P2P where CUDA has it).
+    """
+    uuids = [d.uuid for d in visible_devices() if d.kind == "cuda" and d.uuid]
+    if len(uuids) < 2:
+        return ()
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - NVML missing: no link facts
+        return ()
+    try:
+        handles = {}
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            handles[normalize_uuid(uuid.decode() if isinstance(uuid, bytes) else uuid)] = handle
+        links = []
+        for i, a in enumerate(uuids):
+            for b in uuids[i + 1 :]:
+                if a in handles and b in handles:
+                    links.append((a, b, _link_kind(pynvml, handles[a], handles[b])))
+        return tuple(links)
+    except Exception:  # noqa: BLE001
+        return ()
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
+def _link_kind(pynvml: object, a: object, b: object) -> str:
+    ok = pynvml.NVML_P2P_STATUS_OK  # type: ignore[attr-defined]
+    if pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == ok:  # type: ignore[attr-defined]
+        return "nvlink"
+    if pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_READ) == ok:  # type: ignore[attr-defined]
+        return "pcie"
+    return "none"
+
+
 def _read(path: str) -> str:
     try:
         with open(path) as f:

@@ -1,0 +1,108 @@
+"""``tensorwire bench --calibrate``: measure this machine's transports for the selector.
+
+For every transport usable here (except ``local``), a peer process fetches a small value
+(the fixed cost) and a large one (the bandwidth) with that transport forced; same-node
+transports talk to a peer on this node, the others to a peer that claims another node (so
+the cross-node paths are measured). CUDA-only transports use CUDA values when a GPU exists;
+``nccl`` needs two GPUs. The table is written for this machine (see
+:mod:`tensorwire.transport.calibration`) and every agent started afterwards ranks by it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from typing import Any
+
+__all__ = ["calibrate"]
+
+_SMALL_NBYTES = 4096
+
+
+def _child(conn: Any, env: dict[str, str]) -> None:
+    """Peer process: time ``get`` of each reference it is sent; answer the median seconds."""
+    os.environ.update(env)
+    import tensorwire as tw
+
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        ref, transport, repeats, device = message
+        try:
+            tw.get(ref, transport=transport, device=device, timeout_s=60)  # warm up: connect, map
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                tw.get(ref, transport=transport, device=device, timeout_s=60)
+                times.append(time.perf_counter() - start)
+            conn.send(("ok", statistics.median(times)))
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            conn.send(("fail", f"{type(e).__name__}: {e}"))
+
+
+def calibrate(nbytes: int = 64 << 20, repeats: int = 5, progress: Any = print) -> tuple[dict[str, Any], list[str]]:
+    """Measure every usable transport; returns (costs by transport, notes on what was skipped)."""
+    import torch
+
+    import tensorwire as tw
+    from tensorwire.runtime.ray_env import agent as runtime_agent
+    from tensorwire.transport import registry
+    from tensorwire.transport.base import MemoryKind
+    from tensorwire.transport.selector import CostEstimate
+
+    agent = runtime_agent()
+    ctx = mp.get_context("spawn")
+    peers = {}
+    for where, env in (("same", {}), ("other", {"TENSORWIRE_NODE_ID": f"{agent.peer.node_id}/calibrate"})):
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=_child, args=(child, env), daemon=True)
+        process.start()
+        peers[where] = (parent, process)
+    costs: dict[str, CostEstimate] = {}
+    notes: list[str] = []
+    try:
+        for name in registry.registered_transports():
+            caps = registry.get_transport_class(name).capabilities
+            if name in ("local", "inline"):
+                continue  # same process only / size-limited: not ranked by these numbers
+            if name in agent.unusable_transports():
+                notes.append(f"{name}: not usable here ({agent.unusable_transports()[name]})")
+                continue
+            cuda_only = MemoryKind.HOST not in caps.memory
+            device = None
+            if caps.distinct_devices:
+                if torch.cuda.device_count() < 2:
+                    notes.append(f"{name}: needs two GPUs")
+                    continue
+                device = "cuda:1"
+            where = "same" if caps.same_node and not caps.cross_node else "other"
+            if name == "shm" or caps.needs_device_access:
+                where = "same"
+            conn, _ = peers[where]
+            seconds = []
+            small = agent.config.inline_max_nbytes + _SMALL_NBYTES  # just past inline: a real handle
+            for size, count in ((small, max(repeats * 4, 10)), (nbytes, repeats)):
+                value = torch.full((size,), 7, dtype=torch.uint8)
+                if cuda_only:
+                    value = value.cuda()
+                conn.send((tw.put(value), name, count, device))
+                if not conn.poll(300):
+                    raise TimeoutError(f"calibration peer gave no answer for {name}")
+                status, result = conn.recv()
+                if status != "ok":
+                    notes.append(f"{name}: failed ({result})")
+                    break
+                seconds.append(result)
+            if len(seconds) == 2:
+                fixed_s, large_s = seconds
+                bandwidth = (nbytes - small) / max(large_s - fixed_s, 1e-9) / 1e9
+                costs[name] = CostEstimate(fixed_us=round(fixed_s * 1e6, 1), bandwidth_gbps=round(bandwidth, 3))
+                progress(f"  {name:9} fixed {fixed_s * 1e6:9.1f} us   bandwidth {bandwidth:8.2f} GB/s")
+    finally:
+        for conn, process in peers.values():
+            conn.send(None)
+            process.join(10)
+    return costs, notes

@@ -1,0 +1,131 @@
+"""Selection by cost: calibrated tables, GPU link facts, and `tensorwire bench --calibrate`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tensorwire.transport import calibration, topology
+from tensorwire.transport.base import DeviceInfo, MemoryKind, PeerInfo
+from tensorwire.transport.cuda_ipc import CudaIpcTransport
+from tensorwire.transport.host import HostTransport
+from tensorwire.transport.nccl import NcclTransport
+from tensorwire.transport.selector import CostEstimate, ObjectSummary, select
+from tensorwire.transport.shm import ShmTransport
+from tensorwire.transport.wire import decode_peer, encode_peer
+from tests.helpers.procs import Worker
+from tests.helpers.tasks import digest
+
+CAPS = {t.name: t.capabilities for t in (ShmTransport, HostTransport, CudaIpcTransport, NcclTransport)}
+ALL = frozenset(CAPS)
+HOST = frozenset({MemoryKind.HOST})
+CUDA = frozenset({MemoryKind.CUDA})
+
+
+def node_peer(agent: str, links: tuple[tuple[str, str, str], ...] = ()) -> PeerInfo:
+    gpus = tuple(DeviceInfo("cuda", i, uuid=f"GPU-n1-{i}") for i in range(8))
+    return PeerInfo(agent_id=agent, node_id="n1", machine_id="m1", hostname="h", pid=1, start_time=1,
+                    transports=tuple(CAPS), devices=(DeviceInfo("cpu", 0), *gpus), gpu_links=links)  # fmt: skip
+
+
+def gpu_value(src: int, dst: int) -> ObjectSummary:
+    return ObjectSummary(64 << 20, CUDA, frozenset(), frozenset({f"GPU-n1-{src}"}), frozenset({f"GPU-n1-{dst}"}))
+
+
+def test_table_round_trip_and_rejections(tmp_path):
+    path = str(tmp_path / "costs.json")
+    costs = {"shm": CostEstimate(40.0, 9.5), "host": CostEstimate(900.0, 1.2)}
+    assert calibration.save_costs(costs, path) == path
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert calibration.load_costs(path) == costs
+    with open(path) as f:
+        document = json.load(f)
+    document["machine_id"] = "another-machine"
+    with open(path, "w") as f:
+        json.dump(document, f)
+    assert calibration.load_costs(path) == {}  # measured elsewhere: ignored
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert calibration.load_costs(path) == {}
+    assert calibration.load_costs(str(tmp_path / "missing.json")) == {}
+
+
+def test_calibrated_costs_change_the_ranking():
+    a, b = node_peer("a"), node_peer("b")
+    value = ObjectSummary(64 << 20, HOST, frozenset({"shm"}))
+    assert select(a, b, value, CAPS, usable_here=ALL).best == "shm"
+    slow_shm = {"shm": CostEstimate(5000, 0.1), "host": CostEstimate(10, 50)}
+    sel = select(a, b, value, CAPS, usable_here=ALL, costs=slow_shm)
+    assert sel.best == "host" and "next: shm" in sel.reason
+
+
+def test_nvlink_pcie_and_no_p2p_decide_gpu_transports():
+    links = (("GPU-n1-0", "GPU-n1-1", "nvlink"), ("GPU-n1-0", "GPU-n1-2", "pcie"), ("GPU-n1-0", "GPU-n1-3", "none"))
+    a, b = node_peer("a", links), node_peer("b", links)
+    nvlink = select(a, b, gpu_value(0, 1), CAPS, usable_here=ALL)
+    pcie = select(a, b, gpu_value(0, 2), CAPS, usable_here=ALL)
+    assert nvlink.best == pcie.best == "cuda_ipc"
+    assert "GPU-n1-0 -> GPU-n1-1 NVLink P2P" in nvlink.reason and "PCIe P2P" in pcie.reason
+    assert pcie.choices[0].estimate_s > 5 * nvlink.choices[0].estimate_s
+    none = select(a, b, gpu_value(0, 3), CAPS, usable_here=ALL)
+    assert dict(none.rejected)["cuda_ipc"] == "no P2P between GPU-n1-0 and GPU-n1-3"
+    assert none.best == "nccl"
+    same = select(a, b, gpu_value(4, 4), CAPS, usable_here=ALL)
+    assert same.best == "cuda_ipc" and "same GPU" in same.reason
+
+
+def test_gpu_links_travel_in_peer_info():
+    peer = node_peer("a", (("GPU-n1-0", "GPU-n1-1", "nvlink"),))
+    assert decode_peer(encode_peer(peer)) == peer
+    assert peer.gpu_link("GPU-n1-1", "GPU-n1-0") == "nvlink" and peer.gpu_link("GPU-n1-0", "GPU-n1-5") == ""
+    assert topology.gpu_links() == ()  # this machine: fewer than two GPUs
+
+
+def test_bench_calibrate_writes_a_table_that_agents_use(tmp_path):
+    path = str(tmp_path / "costs.json")
+    env = {**os.environ, "TENSORWIRE_COSTS_FILE": path, "TENSORWIRE_HOST": "127.0.0.1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "tensorwire", "bench", "--calibrate", "-e", str(1 << 20), "-n", "2"],
+        env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    costs = calibration.load_costs(path)
+    assert {"shm", "host", "gloo", "ucx"} <= set(costs)
+    assert all(c.fixed_us > 0 and c.bandwidth_gbps > 0 for c in costs.values())
+    assert "skipped cuda_ipc: not usable here" in run.stdout
+    # A table that makes host the cheapest: a new agent's automatic choice follows it.
+    calibration.save_costs({**costs, "host": CostEstimate(1, 1000), "ucx": CostEstimate(9e6, 0.01)}, path)
+    consumer = Worker(env={"TENSORWIRE_COSTS_FILE": path})
+    try:
+        import torch
+
+        import tensorwire as tw
+
+        value = torch.arange(1 << 18, dtype=torch.int32)
+        got_digest, used = consumer.call("tests.helpers.tasks:get_transport", tw.put(value))
+        assert (got_digest, used) == (digest(value), "host")
+    finally:
+        consumer.close()
+
+
+def test_bench_without_calibrate_says_what_exists():
+    run = subprocess.run(
+        [sys.executable, "-m", "tensorwire", "bench"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert run.returncode == 2 and "only --calibrate is built so far" in run.stderr
+
+
+@pytest.mark.parametrize("args", [["-e", "10"], ["-n", "0"]])
+def test_bench_rejects_bad_sizes(args):
+    run = subprocess.run(
+        [sys.executable, "-m", "tensorwire", "bench", "--calibrate", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 2 and "--max-bytes must be at least 1 MiB" in run.stderr
