@@ -66,7 +66,10 @@ def _print_report(report: dict[str, Any]) -> None:
                 f"{'' if device['visible'] else ' (not visible)'}"
             )
         for link in entry.get("p2p", []):
-            print(f"      P2P {link['a']} <-> {link['b']}: {'yes' if link['p2p'] else 'no'}")
+            print(f"      #{link['a']} <-> #{link['b']}: {link.get('link') or ('P2P' if link['p2p'] else 'no P2P')}")
+        for uuid, near in entry.get("nic_affinity", {}).items():
+            if near:
+                print(f"      {uuid} near NICs: {', '.join(near)}")
         if entry.get("reason"):
             print(f"      {entry['reason']}")
     nics = report["rdma_nics"]

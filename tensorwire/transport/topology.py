@@ -202,6 +202,23 @@ def _shared_memory() -> dict[str, object]:
     }
 
 
+def sysfs_pci_address(bus_id: str) -> str:
+    """NVML's "00000000:3B:00.0" as sysfs spells it: "0000:3b:00.0"."""
+    domain, _, rest = bus_id.strip().partition(":")
+    return f"{domain[-4:]}:{rest}".lower() if rest else bus_id.lower()
+
+
+def gpu_nic_affinity(gpus: list[dict[str, object]], nics: list[dict[str, object]]) -> dict[str, list[str]]:
+    """For each GPU (by UUID), the RDMA NICs on its NUMA node (the ones to prefer for it)."""
+    near: dict[str, list[str]] = {}
+    for gpu in gpus:
+        numa = str(gpu.get("numa_node", ""))
+        near[str(gpu["uuid"])] = [
+            str(n["name"]) for n in nics if numa not in ("", "-1") and str(n.get("numa_node", "")) == numa
+        ]
+    return near
+
+
 def _rdma_nics() -> list[dict[str, object]]:
     base = "/sys/class/infiniband"
     try:
@@ -250,13 +267,14 @@ def _nvidia(visible: list[str] | None) -> dict[str, object]:
             bus = pynvml.nvmlDeviceGetPciInfo(handle).busId
             bus = bus.decode() if isinstance(bus, bytes) else bus
             shown = visible is None or str(index) in visible or uuid in visible
-            devices.append({"index": index, "uuid": uuid, "pci_bus_id": bus, "visible": shown})
+            numa = _read(f"/sys/bus/pci/devices/{sysfs_pci_address(bus)}/numa_node")
+            devices.append({"index": index, "uuid": uuid, "pci_bus_id": bus, "visible": shown, "numa_node": numa})
         links = []
         for i, a in enumerate(handles):
             for j, b in enumerate(handles):
                 if i < j:
-                    status = pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_READ)
-                    links.append({"a": i, "b": j, "p2p": status == pynvml.NVML_P2P_STATUS_OK})
+                    kind = _link_kind(pynvml, a, b)
+                    links.append({"a": i, "b": j, "p2p": kind != "none", "link": kind})
         return {"devices": devices, "p2p": links, "reason": ""}
     except Exception as e:  # noqa: BLE001
         return {"devices": [], "reason": f"NVML query failed: {e}"}
@@ -310,6 +328,10 @@ def describe_node() -> dict[str, object]:
         elif ids is None:
             continue  # nothing restricts or reports this vendor here
         accelerators[vendor.name] = entry
+    nics = _rdma_nics()
+    nvidia = accelerators.get("nvidia")
+    if isinstance(nvidia, dict) and nvidia.get("devices"):
+        nvidia["nic_affinity"] = gpu_nic_affinity(nvidia["devices"], nics)
     return {
         "node_id": node_id(),
         "machine_id": machine_id(),
@@ -319,7 +341,7 @@ def describe_node() -> dict[str, object]:
         "shared_memory": _shared_memory(),
         "devices": [vars(d) for d in visible_devices()],
         "accelerators": accelerators,
-        "rdma_nics": _rdma_nics(),
+        "rdma_nics": nics,
         "gpudirect_rdma": _gpudirect_rdma(),
         "transport_libraries": _transport_libraries(),
     }

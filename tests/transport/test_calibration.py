@@ -129,3 +129,18 @@ def test_bench_rejects_bad_sizes(args):
         check=False,
     )
     assert run.returncode == 2 and "--max-bytes must be at least 1 MiB" in run.stderr
+
+
+def test_gpu_to_nic_affinity_by_numa_node():
+    gpus = [
+        {"uuid": "GPU-a", "numa_node": "0"},
+        {"uuid": "GPU-b", "numa_node": "1"},
+        {"uuid": "GPU-c", "numa_node": "-1"},
+    ]
+    nics = [
+        {"name": "mlx5_0", "numa_node": "0"},
+        {"name": "mlx5_1", "numa_node": "1"},
+        {"name": "mlx5_2", "numa_node": "1"},
+    ]
+    assert topology.gpu_nic_affinity(gpus, nics) == {"GPU-a": ["mlx5_0"], "GPU-b": ["mlx5_1", "mlx5_2"], "GPU-c": []}
+    assert topology.sysfs_pci_address("00000000:3B:00.0") == "0000:3b:00.0"
