@@ -151,6 +151,7 @@ class Agent(TransportContext):
             gpu_links=topology.gpu_links(),
         )
         self._costs = calibration.load_costs()  # this machine's `tensorwire bench --calibrate`, if any
+        self._selections: dict[tuple[Any, ...], selector.Selection] = {}
         self._refresh_transports()
         metrics.enable_prometheus()  # when prometheus-client is installed
         self._outbox = Outbox(
@@ -811,15 +812,7 @@ class Agent(TransportContext):
             src_devices=frozenset(m.device_uuid for m in desc.metas if m.device_uuid),
             dst_devices=frozenset(topology.cuda_uuid(t.index or 0) for t in (targets or ()) if t.type == "cuda"),
         )
-        selection = selector.select(
-            desc.owner,
-            self._peer,
-            summary,
-            self._capabilities,
-            usable_here=frozenset(self._transports),
-            forced=forced,
-            costs=self._costs,
-        )
+        selection = self._select(desc.owner, summary, forced)
         if not selection.choices:
             hint = " (forced by argument or TENSORWIRE_TRANSPORT)" if forced else ""
             raise NoTransportError(f"cannot fetch object {desc.object_id.hex()}{hint}: {selection.reason}")
@@ -873,6 +866,26 @@ class Agent(TransportContext):
             self._record(record)
             return tensors, record
         raise NoTransportError(f"every transport failed for object {desc.object_id.hex()}: {'; '.join(errors)}")
+
+    def _select(self, owner: PeerInfo, summary: selector.ObjectSummary, forced: str) -> selector.Selection:
+        """The selector's answer, memoised: it is a pure function of these inputs (and of the
+        registry, whose changes reset the memo), and repeated fetches ask the same question."""
+        key = (owner, summary, forced, self._registry_version)
+        selection = self._selections.get(key)
+        if selection is None:
+            selection = selector.select(
+                owner,
+                self._peer,
+                summary,
+                self._capabilities,
+                usable_here=frozenset(self._transports),
+                forced=forced,
+                costs=self._costs,
+            )
+            if len(self._selections) >= 1024:
+                self._selections.clear()
+            self._selections[key] = selection
+        return selection
 
     def _hold_while_alive(self, desc: ObjectDescriptor, tensors: list[torch.Tensor]) -> None:
         """Views that map the producer's own allocation hold the object while they live."""

@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["TransferRecord", "add_observer", "enable_prometheus", "notify", "observers", "remove_observer"]
 
@@ -92,10 +93,16 @@ def enable_prometheus() -> bool:
             "tensorwire_transfer_seconds", "Duration of tensorwire fetches", ["transport"]
         )
 
+        children: dict[str, tuple[Any, Any, Any]] = {}  # labelled metrics, made once per transport
+
         def observe(record: TransferRecord) -> None:
-            transfers.labels(record.transport).inc()
-            nbytes.labels(record.transport).inc(record.nbytes)
-            seconds.labels(record.transport).observe(record.duration_s)
+            labelled = children.get(record.transport)
+            if labelled is None:
+                name = record.transport
+                labelled = children[name] = (transfers.labels(name), nbytes.labels(name), seconds.labels(name))
+            labelled[0].inc()
+            labelled[1].inc(record.nbytes)
+            labelled[2].observe(record.duration_s)
 
         _prometheus = observe
         _observers.append(observe)

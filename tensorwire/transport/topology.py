@@ -49,7 +49,8 @@ def process_start_time(pid: int) -> int:
 
 
 def process_alive(pid: int, start_time: int) -> bool:
-    """Whether the process ``pid`` that started at ``start_time`` still runs on this machine."""
+    """Whether the process ``pid`` that started at ``start_time`` still runs on this machine
+    (not a zombie, and the pid not reused). One read of ``/proc/<pid>/stat``."""
     if pid <= 0:
         return False
     try:
@@ -58,19 +59,20 @@ def process_alive(pid: int, start_time: int) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by someone else
-    if start_time and process_start_time(pid) not in (0, start_time):
-        return False  # the pid was reused
-    return not _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return False
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state in (b"Z", b"X")
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if not fields or fields[0] in (b"Z", b"X"):
+        return False  # exited, not yet reaped
+    try:
+        started = int(fields[19])  # field 22 of the whole line
+    except (IndexError, ValueError):
+        started = 0
+    return not (start_time and started not in (0, start_time))  # else the pid was reused
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,14 +7,13 @@ checks a digest of what arrived and where it landed.
 from __future__ import annotations
 
 import importlib.util
-import threading
 import time
 
 import pytest
 import torch
 
 import tensorwire as tw
-from tests.helpers.procs import Worker
+from tests.helpers.procs import Worker, outcome_when_killed
 from tests.helpers.tasks import digest
 
 pytestmark = pytest.mark.gpu
@@ -92,23 +91,14 @@ def test_ucx_moves_cuda_memory(producer):
 
 def test_producer_killed_after_export_never_yields_garbage(producer):
     ref = producer.call("tests.helpers.gpu_tasks:put_cuda_filled", 256 << 20, fill=3)
-    outcome: list[object] = []
 
-    def fetch() -> None:
-        try:
-            value = tw.get(ref, transport="cuda_ipc", timeout_s=30)
-            torch.cuda.synchronize()
-            outcome.append(("ok", int(value.min()), int(value.max())))
-        except tw.TensorwireError as e:
-            outcome.append(e)
+    def fetch() -> tuple[str, int, int]:
+        value = tw.get(ref, transport="cuda_ipc", timeout_s=30)
+        torch.cuda.synchronize()
+        return ("ok", int(value.min()), int(value.max()))
 
-    thread = threading.Thread(target=fetch)
-    thread.start()
-    time.sleep(0.01)
-    producer.kill()
-    thread.join(40)
-    assert not thread.is_alive(), "the fetch hung after its producer died"
-    assert outcome[0] == ("ok", 3, 3) or isinstance(outcome[0], tw.TensorwireError), outcome[0]
+    outcome = outcome_when_killed(fetch, producer, after_s=0.01, join_s=40)
+    assert outcome == ("ok", 3, 3) or isinstance(outcome, tw.TensorwireError), outcome
     with pytest.raises((tw.OwnerDiedError, tw.TransportError)):
         tw.get(ref, transport="cuda_ipc", timeout_s=10)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from dataclasses import replace
 
@@ -13,7 +12,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.runtime.ref import Ref, RefState
-from tests.helpers.procs import Worker
+from tests.helpers.procs import Worker, outcome_when_killed
 from tests.helpers.tasks import digest
 
 
@@ -47,23 +46,13 @@ def test_owner_on_another_node_killed_before_transfer():
 
 def test_owner_killed_during_transfer(owner):
     ref = owner.call("tests.helpers.tasks:put_filled", 768 << 20)
-    outcome: list[object] = []
 
-    def fetch() -> None:
-        try:
-            tw.get(ref, transport="host", timeout_s=60)
-            outcome.append("completed")
-        except Exception as e:
-            outcome.append(e)
+    def fetch() -> str:
+        tw.get(ref, transport="host", timeout_s=60)
+        return "completed"
 
-    thread = threading.Thread(target=fetch)
-    thread.start()
-    time.sleep(0.3)
-    owner.kill()
-    thread.join(30)
-    assert not thread.is_alive(), "the fetch hung after its owner died"
-    assert len(outcome) == 1
-    assert isinstance(outcome[0], (tw.OwnerDiedError, tw.PeerLostError)), outcome[0]
+    outcome = outcome_when_killed(fetch, owner, after_s=0.3, join_s=30)
+    assert isinstance(outcome, (tw.OwnerDiedError, tw.PeerLostError)), outcome
 
 
 def test_ref_freed_mid_transfer_is_complete_or_freed_never_partial(agent, worker):

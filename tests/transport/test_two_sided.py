@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 import torch
 
 import tensorwire as tw
-from tests.helpers.procs import Worker
+from tests.helpers.procs import Worker, outcome_when_killed
 from tests.helpers.tasks import digest
 
 TWO_SIDED = ["gloo", "ucx"]
@@ -62,22 +61,11 @@ def test_many_tensors_and_mixed_sizes_arrive_intact(transport, owner):
 
 def test_producer_killed_mid_transfer(transport, owner):
     ref = owner.call("tests.helpers.tasks:put_filled", 1 << 30)
-    outcome: list[object] = []
-
-    def fetch() -> None:
-        try:
-            outcome.append(digest(tw.get(ref, transport=transport, timeout_s=60)))
-        except Exception as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=fetch)
-    thread.start()
-    time.sleep(0.15)
-    owner.kill()
-    thread.join(45)
-    assert not thread.is_alive(), "the fetch hung after its producer died"
+    outcome = outcome_when_killed(
+        lambda: digest(tw.get(ref, transport=transport, timeout_s=60)), owner, after_s=0.15, join_s=45
+    )
     full = digest(torch.full((1 << 30,), 7, dtype=torch.uint8))
-    assert outcome[0] == full or isinstance(outcome[0], (tw.OwnerDiedError, tw.PeerLostError)), outcome[0]
+    assert outcome == full or isinstance(outcome, (tw.OwnerDiedError, tw.PeerLostError)), outcome
     survivor = Worker(env={"TENSORWIRE_NODE_ID": "two-sided-survivor"})
     try:  # the consumer still transfers with surviving peers
         ref2, expected = survivor.call("tests.helpers.tasks:put_and_return", 2 << 20, seed=3)
