@@ -78,7 +78,7 @@ def put(value: Any) -> Ref:
             hidden in objects that are not walked, or non-tensor parts that cannot be pickled.
         ValueError: A reference cycle in ``value``.
     """
-    skeleton, tensors, is_numpy = values.flatten(value)
+    skeleton, tensors, kinds = values.flatten(value)
     skeleton_bytes = values.dumps_skeleton(skeleton)
     offsets, packed_nbytes = packed_layout(t.numel() * t.element_size() for t in tensors)
     metas = tuple(
@@ -88,10 +88,10 @@ def put(value: Any) -> Ref:
             device=str(t.device),
             nbytes=t.numel() * t.element_size(),
             offset=offset,
-            kind=TensorKind.NUMPY if numpy else TensorKind.TORCH,
+            kind=kind,
             device_uuid=topology.cuda_uuid(t.get_device()) if t.device.type == "cuda" else "",
         )
-        for t, offset, numpy in zip(tensors, offsets, is_numpy, strict=True)
+        for t, offset, kind in zip(tensors, offsets, kinds, strict=True)
     )
     desc = runtime_agent().register(tensors, metas, packed_nbytes, ready=_ready_events(tensors))
     return Ref(RefState(desc, skeleton_bytes, {}, b""), skeleton)
@@ -147,20 +147,33 @@ def _place(skeleton: Any, tensors: list[torch.Tensor], metas: tuple[TensorMeta, 
             continue
         target = _target_device(meta, device)
         placed = tensor if tensor.device == target else tensor.to(target)
-        leaves.append(placed.numpy() if meta.kind is TensorKind.NUMPY and placed.device.type == "cpu" else placed)
+        leaves.append(_as_kind(placed, meta.kind))
     return values.unflatten(skeleton, leaves)
+
+
+def _as_kind(tensor: torch.Tensor, kind: TensorKind) -> Any:
+    """The array type the producer gave: numpy on the host; cupy on a GPU where cupy is
+    installed; otherwise the torch tensor itself (DLPack producers other than cupy)."""
+    if kind is TensorKind.NUMPY and tensor.device.type == "cpu":
+        return tensor.numpy()
+    if kind is TensorKind.CUPY and tensor.device.type == "cuda":
+        try:
+            import cupy
+        except ImportError:
+            return tensor
+        return cupy.from_dlpack(tensor)
+    return tensor
 
 
 def _get_staged(ref: Ref, device: Any, out: Any, timeout_s: float | None) -> Any:
     value = ref._pending.get_staged(timeout_s)  # type: ignore[union-attr]
     if device is None and out is None:
         return value
-    skeleton, tensors, is_numpy = values.flatten(value)
+    skeleton, tensors, kinds = values.flatten(value)
     metas = tuple(
-        TensorMeta(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), 0, 0,
-                   TensorKind.NUMPY if numpy else TensorKind.TORCH)
-        for t, numpy in zip(tensors, is_numpy, strict=True)
-    )  # fmt: skip
+        TensorMeta(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), 0, 0, kind)
+        for t, kind in zip(tensors, kinds, strict=True)
+    )
     return _place(skeleton, tensors, metas, device, out)
 
 

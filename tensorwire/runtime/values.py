@@ -2,7 +2,7 @@
 
 Walked containers: ``dict`` (and subclasses such as ``OrderedDict``, keeping their attributes,
 e.g. a state dict's ``_metadata``), ``list``, ``tuple``, named tuples and dataclass instances.
-Leaves that are torch tensors or numpy arrays become slots; every other leaf stays in the
+Leaves that are torch tensors, numpy arrays or DLPack producers (cupy, ...) become slots; every other leaf stays in the
 skeleton as an ordinary Python value (pickled with the reference). A tensor that appears
 twice (tied weights) becomes one slot and arrives as one tensor twice.
 """
@@ -20,6 +20,8 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import torch
+
+from tensorwire.transport.base import TensorKind
 
 __all__ = ["DESCEND", "Slot", "dumps_skeleton", "flatten", "map_container", "match_out", "transform", "unflatten"]
 
@@ -131,8 +133,23 @@ def transform(value: Any, leaf: Callable[[Any, str], Any], path: str = "", _acti
         active.discard(id(value))
 
 
-def flatten(value: Any) -> tuple[Any, list[torch.Tensor], list[bool]]:
-    """Split ``value`` into ``(skeleton, tensors, is_numpy)``.
+def _is_dlpack(item: Any) -> bool:
+    """A DLPack producer other than torch and numpy (cupy, JAX, ...)."""
+    return hasattr(item, "__dlpack__") and hasattr(item, "__dlpack_device__") and not isinstance(item, type)
+
+
+def _kind(item: Any) -> TensorKind:
+    if isinstance(item, torch.Tensor):
+        return TensorKind.TORCH
+    if isinstance(item, np.ndarray):
+        return TensorKind.NUMPY
+    return TensorKind.CUPY if type(item).__module__.split(".")[0] == "cupy" else TensorKind.DLPACK
+
+
+def flatten(value: Any) -> tuple[Any, list[torch.Tensor], list[TensorKind]]:
+    """Split ``value`` into ``(skeleton, tensors, kinds)``: torch tensors, numpy arrays and
+    DLPack producers (cupy arrays, ...; taken without a copy through ``torch.from_dlpack``)
+    become tensors, and ``kinds`` says which array type each was.
 
     Non-contiguous tensors are made contiguous (a copy); tensors are detached from autograd.
 
@@ -142,23 +159,31 @@ def flatten(value: Any) -> tuple[Any, list[torch.Tensor], list[bool]]:
         ValueError: The value contains a reference cycle.
     """
     tensors: list[torch.Tensor] = []
-    is_numpy: list[bool] = []
+    kinds: list[TensorKind] = []
     slots_by_id: dict[int, tuple[Slot, Any]] = {}  # the original kept so that ids stay unique
 
     def leaf(item: Any, path: str) -> Any:
-        if not isinstance(item, (torch.Tensor, np.ndarray)):
+        if not isinstance(item, (torch.Tensor, np.ndarray)) and not _is_dlpack(item):
             return DESCEND
         known = slots_by_id.get(id(item))
         if known is not None:
             return known[0]
         slot = Slot(len(tensors))
-        tensors.append(_as_tensor(item, path))
-        is_numpy.append(isinstance(item, np.ndarray))
+        kind = _kind(item)
+        if kind in (TensorKind.CUPY, TensorKind.DLPACK):
+            try:
+                tensor = torch.from_dlpack(item)
+            except Exception as e:
+                raise TypeError(f"value{path}: {type(item).__name__} could not be read through DLPack ({e})") from e
+            tensors.append(_as_tensor(tensor, path))
+        else:
+            tensors.append(_as_tensor(item, path))
+        kinds.append(kind)
         slots_by_id[id(item)] = (slot, item)
         return slot
 
     skeleton = transform(value, leaf)
-    return skeleton, tensors, is_numpy
+    return skeleton, tensors, kinds
 
 
 def unflatten(skeleton: Any, leaves: list[Any]) -> Any:

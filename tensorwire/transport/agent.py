@@ -208,6 +208,11 @@ class Agent(TransportContext):
                 self._transports.pop(name).close()
         self._peer = replace(self._peer, transports=tuple(self._transports))
 
+    def publish_transport_info(self, transport: str, info: str) -> None:
+        with self._lock:
+            others = tuple(item for item in self._peer.transport_info if item[0] != transport)
+            self._peer = replace(self._peer, transport_info=(*others, (transport, info)))
+
     def unusable_transports(self) -> dict[str, str]:
         """Registered transports that cannot run here, with the reason."""
         return dict(self._unusable)

@@ -66,6 +66,8 @@ class TensorKind(enum.Enum):
 
     TORCH = "torch"
     NUMPY = "numpy"
+    CUPY = "cupy"  # arrives as a cupy array where cupy is installed (else a torch tensor)
+    DLPACK = "dlpack"  # another DLPack producer (JAX, ...): arrives as a torch tensor
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class PeerInfo:
     transports: tuple[str, ...] = ()
     devices: tuple[DeviceInfo, ...] = ()
     gpu_links: tuple[tuple[str, str, str], ...] = ()  # (uuid, uuid, "nvlink" | "pcie" | "none")
+    transport_info: tuple[tuple[str, str], ...] = ()  # (transport, facts), e.g. ("ucx", "cma,posix,tcp")
 
     def gpu_link(self, a: str, b: str) -> str:
         """How this process's GPUs ``a`` and ``b`` (UUIDs) reach each other: "same",
@@ -272,6 +275,11 @@ class TransportContext(ABC):
     @abstractmethod
     def local_object(self, object_id: bytes, token: bytes) -> StoredObject:
         """Consumer in the owner's own process: the stored object (raises if freed or token wrong)."""
+
+    @abstractmethod
+    def publish_transport_info(self, transport: str, info: str) -> None:
+        """Any process: add ``info`` (short text) for ``transport`` to this process's
+        ``PeerInfo`` (references made from now on carry it)."""
 
     @abstractmethod
     def request_export(self, request: FetchRequest, transport: str) -> bytes:

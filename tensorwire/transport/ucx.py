@@ -11,20 +11,22 @@ endpoint and reconnects on the next transfer.
 
 Tags are sent with ``tag_send``/``tag_recv`` straight from and into the tensors (no copy on
 receive); small tensors of one value are packed into few messages. Which UCX transports are
-active (``UCX_TLS`` selects them; a system UCX with InfiniBand is used when
-``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true``) is in :func:`active_transports` and
-``tensorwire doctor``.
+active (``UCX_TLS`` selects them) is in the process's ``PeerInfo.transport_info`` once the worker
+started, and in ``tensorwire doctor``. On a machine with RDMA NICs and a system ``libucp``,
+the system UCX (which may have InfiniBand; the pip one has none) is preferred
+(``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true`` unless the user set it).
 """
 
 from __future__ import annotations
 
+import ctypes.util
 import importlib.util
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -33,11 +35,35 @@ from tensorwire.errors import TransportError
 from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo, StoredObject
 from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport
 
-__all__ = ["UcxTransport", "active_transports"]
+__all__ = ["UcxTransport", "active_transports", "prefer_system_ucx"]
 
 logger = logging.getLogger(__name__)
 
 _EPOLL_TIMEOUT_MS = 1
+
+
+def prefer_system_ucx(
+    env: MutableMapping[str, str], rdma_nics: list[str] | None = None, system_ucp: str | None = ""
+) -> bool:
+    """Use a system UCX (which may have InfiniBand) over the pip one (which has none) when this
+    machine has RDMA NICs and a system ``libucp``; a user's own setting is kept. Must run
+    before ``ucxx`` is imported. Returns whether it set the preference."""
+    if "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY" in env:
+        return False
+    nics = rdma_nics if rdma_nics is not None else _rdma_nic_names()
+    library = ctypes.util.find_library("ucp") if system_ucp == "" else system_ucp
+    if nics and library:
+        env["RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY"] = "true"
+        logger.info("ucx: RDMA NICs %s and a system UCX (%s) found: preferring it", ", ".join(nics), library)
+        return True
+    return False
+
+
+def _rdma_nic_names() -> list[str]:
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
 
 
 def active_transports(context_info: str) -> list[str]:
@@ -141,10 +167,12 @@ class UcxTransport(TwoSidedTransport):
         """The process's UCX worker, started on first use."""
         with self._worker_lock:
             if self._worker is None:
+                prefer_system_ucx(os.environ)
                 try:
                     self._worker = _Worker()
                 except Exception as e:  # noqa: BLE001 - any failure of the native library
                     raise TransportError(f"ucx: could not start a UCX worker: {type(e).__name__}: {e}") from None
+                self.context.publish_transport_info(self.name, ",".join(self._worker.transports))
             return self._worker
 
     def open_connection(self, peer: PeerInfo, key: bytes, deadline: float, scope: str) -> Any:

@@ -12,8 +12,9 @@ Equivalent ``.proto``::
                    string hostname = 4; int64 pid = 5; int64 start_time = 6;
                    string unix_address = 7; string tcp_address = 8;
                    repeated string transports = 9; repeated Device devices = 10;
-                   repeated GpuLink gpu_links = 11; }
+                   repeated GpuLink gpu_links = 11; repeated TransportInfo transport_info = 12; }
     message GpuLink { string a = 1; string b = 2; string kind = 3; }
+    message TransportInfo { string name = 1; string info = 2; }
     message PingRequest { Peer sender = 1; }
     message PingReply { Peer peer = 1; }
     message ObjectRequest { bytes object_id = 1; bytes token = 2; }
@@ -64,8 +65,10 @@ _SCHEMA: dict[str, list[tuple[str, str, bool]]] = {
     "Peer": [("agent_id", "string", False), ("node_id", "string", False), ("machine_id", "string", False),
              ("hostname", "string", False), ("pid", "int64", False), ("start_time", "int64", False),
              ("unix_address", "string", False), ("tcp_address", "string", False),
-             ("transports", "string", True), ("devices", "Device", True), ("gpu_links", "GpuLink", True)],
+             ("transports", "string", True), ("devices", "Device", True), ("gpu_links", "GpuLink", True),
+             ("transport_info", "TransportInfo", True)],
     "GpuLink": [("a", "string", False), ("b", "string", False), ("kind", "string", False)],
+    "TransportInfo": [("name", "string", False), ("info", "string", False)],
     "PingRequest": [("sender", "Peer", False)],
     "PingReply": [("peer", "Peer", False)],
     "ObjectRequest": [("object_id", "bytes", False), ("token", "bytes", False)],
@@ -139,6 +142,7 @@ def encode_peer(peer: PeerInfo) -> Any:
             messages["Device"](kind=d.kind, index=d.index, uuid=d.uuid, pci_bus_id=d.pci_bus_id) for d in peer.devices
         ],
         gpu_links=[messages["GpuLink"](a=a, b=b, kind=kind) for a, b, kind in peer.gpu_links],
+        transport_info=[messages["TransportInfo"](name=n, info=i) for n, i in peer.transport_info],
     )
 
 
@@ -158,4 +162,5 @@ def decode_peer(message: Any) -> PeerInfo:
             DeviceInfo(kind=d.kind, index=int(d.index), uuid=d.uuid, pci_bus_id=d.pci_bus_id) for d in message.devices
         ),
         gpu_links=tuple((link.a, link.b, link.kind) for link in message.gpu_links),
+        transport_info=tuple((t.name, t.info) for t in message.transport_info),
     )

@@ -162,3 +162,11 @@ def test_cuda_ipc_mappings_hold_the_object_until_released(producer):
     owned, allocated = _wait_owned(producer, base_owned)
     assert owned == base_owned  # released, then freed by the producer
     assert allocated <= base_allocated + (1 << 20)  # its GPU memory went back (no IPC limbo)
+
+
+def test_cupy_arrays_travel_and_arrive_as_cupy(producer):
+    cupy = pytest.importorskip("cupy", reason="cupy is not installed on this machine")
+    ref, expected = producer.call("tests.helpers.gpu_tasks:put_cupy", 1 << 20)
+    value = tw.get(ref, transport="cuda_ipc")
+    assert isinstance(value["c"], cupy.ndarray)
+    assert digest({"c": torch.from_dlpack(value["c"])}) == expected

@@ -83,3 +83,11 @@ def owned_and_allocated() -> tuple[int, int]:
     gc.collect()
     torch.cuda.synchronize()
     return tw.stats()["objects_owned"], torch.cuda.memory_allocated()
+
+
+def put_cupy(n: int) -> tuple[tw.Ref, str]:
+    import cupy
+
+    array = cupy.arange(n, dtype=cupy.float32)
+    _kept["cupy"] = array
+    return tw.put({"c": array}), digest({"c": torch.from_dlpack(array)})

@@ -190,3 +190,27 @@ def ucx_active_transports() -> list[str]:
     from tensorwire.transport.agent import get_agent
 
     return get_agent()._transports["ucx"].worker().transports
+
+
+class DLPackOnly:
+    """A producer that offers its data only through DLPack (as cupy or JAX arrays do)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._tensor.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._tensor.__dlpack_device__()
+
+
+def put_dlpack(n: int) -> tuple[tw.Ref, str]:
+    tensor = torch.arange(n, dtype=torch.int64)
+    return tw.put({"a": DLPackOnly(tensor)}), digest({"a": tensor})
+
+
+def put_and_describe_owner(nbytes: int) -> dict[str, str]:
+    """Put a value; the transport facts its reference carries about this process."""
+    ref = tw.put(torch.zeros(nbytes, dtype=torch.uint8))
+    return dict(ref._desc.owner.transport_info)

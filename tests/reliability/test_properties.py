@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 
 from tensorwire.runtime.values import flatten, unflatten
+from tensorwire.transport.base import TensorKind
 from tensorwire.transport.control import cluster_token
 from tensorwire.transport.packing import ByteSink, iter_stream_chunks
 from tensorwire.transport.wire import messages
@@ -64,13 +65,13 @@ values = st.recursive(
 @given(value=values, chunk_nbytes=st.sampled_from([1, 7, 64, 4096, 1 << 20]))
 def test_walker_and_stream_round_trip(value, chunk_nbytes):
     """flatten -> stream chunks -> sink -> unflatten gives back the same value, byte for byte."""
-    skeleton, parts, is_numpy = flatten(value)
+    skeleton, parts, kinds = flatten(value)
     received = [torch.empty_like(t) for t in parts]
     sink = ByteSink(received)
     for chunk in iter_stream_chunks(parts, chunk_nbytes):
         sink.write(chunk)
     sink.finish()
-    leaves_back = [r.numpy() if n else r for r, n in zip(received, is_numpy, strict=True)]
+    leaves_back = [r.numpy() if k is TensorKind.NUMPY else r for r, k in zip(received, kinds, strict=True)]
     assert digest(unflatten(skeleton, leaves_back)) == digest(value)
 
 
@@ -142,6 +143,6 @@ def test_numpy_dtypes_round_trip():
     dtypes = (np.int8, np.uint16, np.float16, np.complex128, np.bool_)
     value = [(np.arange(6) % 3).astype(d).reshape(2, 3) for d in dtypes]
     value.append(np.array(2.5))  # 0-d stays 0-d
-    skeleton, parts, is_numpy = flatten(value)
-    assert all(is_numpy)
+    skeleton, parts, kinds = flatten(value)
+    assert all(k is TensorKind.NUMPY for k in kinds)
     assert digest(unflatten(skeleton, [p.numpy() for p in parts])) == digest(value)

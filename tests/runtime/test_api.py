@@ -106,3 +106,9 @@ def test_shm_view_is_zero_copy_and_private(worker):
 def test_device_argument_places_on_cpu(worker):
     ref = tw.put(torch.ones(3))
     assert str(tw.get(ref, device="cpu").device) == "cpu"
+
+
+def test_dlpack_producer_arrives_as_a_torch_tensor_in_another_process(worker):
+    ref, expected = worker.call("tests.helpers.tasks:put_dlpack", 100_000)
+    value = tw.get(ref)
+    assert isinstance(value["a"], torch.Tensor) and digest(value) == expected

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tensorwire.runtime.values import Slot, dumps_skeleton, flatten, match_out, unflatten
+from tensorwire.transport.base import TensorKind
 
 
 @dataclasses.dataclass
@@ -31,8 +32,8 @@ def test_round_trip_keeps_types_and_attributes():
     sd = collections.OrderedDict(a=torch.ones(2), b=torch.zeros(3))
     sd._metadata = {"": {"version": 1}}  # like nn.Module.state_dict()
     value = {"sd": sd, "batch": Batch(torch.arange(3), "y", [np.ones(2), 5]), "pair": Pair(torch.ones(1), 2)}
-    skeleton, tensors, is_numpy = flatten(value)
-    assert len(tensors) == 5 and is_numpy == [False, False, False, True, False]
+    skeleton, tensors, kinds = flatten(value)
+    assert len(tensors) == 5 and [k is TensorKind.NUMPY for k in kinds] == [False, False, False, True, False]
     rebuilt = unflatten(pickle.loads(dumps_skeleton(skeleton)), tensors)
     assert type(rebuilt["sd"]) is collections.OrderedDict and rebuilt["sd"]._metadata == sd._metadata
     assert isinstance(rebuilt["batch"], Batch) and rebuilt["batch"].label == "y"
@@ -101,3 +102,32 @@ def test_match_out_by_structure():
         match_out(skeleton, {"b": [b]})
     with pytest.raises(ValueError, match=r"out\['b'\]: expected a sequence of length 1"):
         match_out(skeleton, {"a": a, "b": []})
+
+
+class _DLPackOnly:
+    """A producer that offers its data only through the DLPack protocol (like cupy or JAX)."""
+
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def __dlpack__(self, **kwargs):
+        return self._tensor.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._tensor.__dlpack_device__()
+
+
+def test_dlpack_producers_become_tensors_without_a_copy():
+    base = torch.arange(12, dtype=torch.float32)
+    _skeleton, tensors, kinds = flatten({"x": _DLPackOnly(base), "y": base})
+    assert kinds == [TensorKind.DLPACK, TensorKind.TORCH]
+    assert torch.equal(tensors[0], base) and tensors[0].data_ptr() == base.data_ptr()
+
+
+def test_a_broken_dlpack_producer_is_a_clear_type_error():
+    class Broken(_DLPackOnly):
+        def __dlpack__(self, **kwargs):
+            raise RuntimeError("device lost")
+
+    with pytest.raises(TypeError, match=r"value\['x'\]: Broken could not be read through DLPack"):
+        flatten({"x": Broken(torch.zeros(2))})

@@ -139,6 +139,8 @@ def test_ucx_over_tcp_and_shared_memory(tls):
         ref, expected = producer.call("tests.helpers.tasks:put_and_return", 8 << 20, seed=5)
         assert consumer.call("tests.helpers.tasks:get_digest", ref, transport="ucx") == expected
         active = set(consumer.call("tests.helpers.tasks:ucx_active_transports"))
+        published = consumer.call("tests.helpers.tasks:put_and_describe_owner", 1 << 20)["ucx"]
+        assert set(published.split(",")) == active  # carried in PeerInfo by new references
         if tls == "tcp":
             assert "tcp" in active and not active & {"posix", "sysv", "cma"}, active
         else:
@@ -146,3 +148,17 @@ def test_ucx_over_tcp_and_shared_memory(tls):
     finally:
         producer.close()
         consumer.close()
+
+
+def test_system_ucx_is_preferred_only_with_rdma_nics_and_a_system_library():
+    from tensorwire.transport.ucx import prefer_system_ucx
+
+    env: dict[str, str] = {}
+    assert not prefer_system_ucx(env, rdma_nics=[], system_ucp="libucp.so.0")
+    assert not prefer_system_ucx(env, rdma_nics=["mlx5_0"], system_ucp=None)
+    assert env == {}
+    assert prefer_system_ucx(env, rdma_nics=["mlx5_0"], system_ucp="libucp.so.0")
+    assert env == {"RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY": "true"}
+    user = {"RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY": "false"}
+    assert not prefer_system_ucx(user, rdma_nics=["mlx5_0"], system_ucp="libucp.so.0")
+    assert user == {"RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY": "false"}  # the user's choice stands
