@@ -55,6 +55,7 @@ from tensorwire.transport.base import (
     ObjectDescriptor,
     PeerInfo,
     StoredObject,
+    TensorKind,
     TensorMeta,
     Transport,
     TransportContext,
@@ -814,6 +815,7 @@ class Agent(TransportContext):
             nbytes=desc.nbytes,
             memory=frozenset(m.memory for m in desc.metas) or frozenset({MemoryKind.HOST}),
             exported=frozenset(handles),
+            foreign_memory=any(m.memory is MemoryKind.CUDA and m.kind in _FOREIGN_KINDS for m in desc.metas),
             src_devices=frozenset(m.device_uuid for m in desc.metas if m.device_uuid),
             dst_devices=frozenset(topology.cuda_uuid(t.index or 0) for t in (targets or ()) if t.type == "cuda"),
         )
@@ -953,6 +955,7 @@ class Agent(TransportContext):
         self._client.close()
 
 
+_FOREIGN_KINDS = frozenset({TensorKind.CUPY, TensorKind.DLPACK})  # memory torch did not allocate
 _RENDEZVOUS_MAX_GROUPS = 256  # groups being connected at once; older ones are dropped
 _RENDEZVOUS_MAX_VALUE = 64 * 1024
 

@@ -89,6 +89,8 @@ class Capabilities:
             (compared by UUID), e.g. to open CUDA IPC handles.
         distinct_devices: Producer and consumer must use different GPUs, and the consumer
             must receive into GPU memory (NCCL refuses two ranks on one GPU).
+        torch_memory_only: Reads only CUDA memory that torch's allocator owns (not memory a
+            cupy or other DLPack producer allocated), e.g. CUDA IPC through torch.
         export_per_consumer: Nothing is exported when a reference leaves the producer; each
             consumer process asks the owner for its own handle (``export`` runs once per
             consumer, through ``TransportContext.request_export``), e.g. because a handle may
@@ -107,6 +109,7 @@ class Capabilities:
     needs_device_access: bool = False
     distinct_devices: bool = False
     export_per_consumer: bool = False
+    torch_memory_only: bool = False
 
 
 @dataclass(frozen=True)

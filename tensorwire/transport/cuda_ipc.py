@@ -9,7 +9,9 @@ The producer uses torch's own sharing path (``UntypedStorage._share_cuda_``): pe
 IPC handle of the caching allocator's *block* the tensor lives in (tensors of one block share
 it; the offset travels alongside) and an interprocess event recorded on the current stream
 after the work that produced the tensors (the stream first waits for the events recorded at
-``put``). Going through torch handles expandable segments the way torch supports them.
+``put``). Going through torch handles expandable segments the way torch supports them; memory
+that torch did not allocate (a cupy array sent as is) cannot be shared this way, so the
+selector leaves such values to ucx or host (``torch_memory_only``; found on the H200).
 
 Why one handle per consumer: each ``_share_cuda_`` result carries one count in torch's IPC
 reference counter, and exactly one consumer's mapping must release it. A handle opened by
@@ -135,6 +137,7 @@ class CudaIpcTransport(Transport):
         zero_copy_view=True,
         needs_device_access=True,
         export_per_consumer=True,
+        torch_memory_only=True,
     )
 
     def __init__(self, context: Any) -> None:

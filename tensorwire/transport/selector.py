@@ -52,6 +52,7 @@ class ObjectSummary:
     nbytes: int
     memory: frozenset[MemoryKind]
     exported: frozenset[str]  # transports whose handle travels with the reference
+    foreign_memory: bool = False  # some CUDA tensor came from a DLPack producer (cupy, ...)
     src_devices: frozenset[str] = frozenset()  # UUIDs of the GPUs the object lives on
     dst_devices: frozenset[str] = frozenset()  # UUIDs of the GPUs the consumer receives onto
 
@@ -115,6 +116,8 @@ def _why_not(  # noqa: PLR0917 - private helper over the selector's inputs
     if missing and not caps.staged:
         kinds = ", ".join(sorted(m.value for m in missing))
         return f"cannot read {kinds} memory"
+    if caps.torch_memory_only and obj.foreign_memory:
+        return "the CUDA memory was allocated by cupy or another DLPack producer, not by torch"
     if caps.needs_device_access:
         visible = {d.uuid for d in dst.devices if d.kind == "cuda" and d.uuid}
         unseen = sorted(obj.src_devices - visible)

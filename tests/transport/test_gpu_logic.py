@@ -6,6 +6,7 @@ The transfers themselves are in ``tests/gpu`` (marked ``gpu`` / ``multi_gpu``).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -169,3 +170,11 @@ def test_nccl_refuses_one_gpu_and_host_destinations():
             transport.connection_scope(request, [SimpleNamespace(device=torch.device("cpu"))])
     finally:
         topology.cuda_uuid = original
+
+
+def test_cupy_memory_is_not_offered_to_cuda_ipc():
+    a, b = peer("a", "n1", gpus("n1")), peer("b", "n1", gpus("n1"))
+    value = replace(cuda_object("GPU-n1-0", "GPU-n1-0"), foreign_memory=True)
+    sel = select(a, b, value, CAPS, usable_here=ALL)
+    assert "allocated by cupy or another DLPack producer" in dict(sel.rejected)["cuda_ipc"]
+    assert sel.best == "ucx"
