@@ -52,9 +52,9 @@ class ObjectSummary:
     nbytes: int
     memory: frozenset[MemoryKind]
     exported: frozenset[str]  # transports whose handle travels with the reference
-    foreign_memory: bool = False  # some CUDA tensor came from a DLPack producer (cupy, ...)
     src_devices: frozenset[str] = frozenset()  # UUIDs of the GPUs the object lives on
     dst_devices: frozenset[str] = frozenset()  # UUIDs of the GPUs the consumer receives onto
+    foreign_memory: bool = False  # some CUDA tensor came from a DLPack producer (cupy, ...)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,13 @@ def node_peer(agent: str, links: tuple[tuple[str, str, str], ...] = ()) -> PeerI
 
 
 def gpu_value(src: int, dst: int) -> ObjectSummary:
-    return ObjectSummary(64 << 20, CUDA, frozenset(), frozenset({f"GPU-n1-{src}"}), frozenset({f"GPU-n1-{dst}"}))
+    return ObjectSummary(
+        nbytes=64 << 20,
+        memory=CUDA,
+        exported=frozenset(),
+        src_devices=frozenset({f"GPU-n1-{src}"}),
+        dst_devices=frozenset({f"GPU-n1-{dst}"}),
+    )
 
 
 def test_table_round_trip_and_rejections(tmp_path):
