@@ -10,37 +10,13 @@ the cross-node paths are measured). CUDA-only transports use CUDA values when a 
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import statistics
-import time
 from typing import Any
+
+from tensorwire.peers import OTHER_NODE, SAME_NODE, ask, median_fetch_seconds, peers
 
 __all__ = ["calibrate"]
 
 _SMALL_NBYTES = 4096
-
-
-def _child(conn: Any, env: dict[str, str]) -> None:
-    """Peer process: time ``get`` of each reference it is sent; answer the median seconds."""
-    os.environ.update(env)
-    import tensorwire as tw
-
-    while True:
-        message = conn.recv()
-        if message is None:
-            return
-        ref, transport, repeats, device = message
-        try:
-            tw.get(ref, transport=transport, device=device, timeout_s=60)  # warm up: connect, map
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                tw.get(ref, transport=transport, device=device, timeout_s=60)
-                times.append(time.perf_counter() - start)
-            conn.send(("ok", statistics.median(times)))
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            conn.send(("fail", f"{type(e).__name__}: {e}"))
 
 
 def calibrate(nbytes: int = 64 << 20, repeats: int = 5, progress: Any = print) -> tuple[dict[str, Any], list[str]]:
@@ -54,16 +30,9 @@ def calibrate(nbytes: int = 64 << 20, repeats: int = 5, progress: Any = print) -
     from tensorwire.transport.selector import CostEstimate
 
     agent = runtime_agent()
-    ctx = mp.get_context("spawn")
-    peers = {}
-    for where, env in (("same", {}), ("other", {"TENSORWIRE_NODE_ID": f"{agent.peer.node_id}/calibrate"})):
-        parent, child = ctx.Pipe()
-        process = ctx.Process(target=_child, args=(child, env), daemon=True)
-        process.start()
-        peers[where] = (parent, process)
     costs: dict[str, CostEstimate] = {}
     notes: list[str] = []
-    try:
+    with peers(median_fetch_seconds, agent.peer.node_id, "calibrate") as connections:
         for name in registry.registered_transports():
             caps = registry.get_transport_class(name).capabilities
             if name in ("local", "inline"):
@@ -78,20 +47,16 @@ def calibrate(nbytes: int = 64 << 20, repeats: int = 5, progress: Any = print) -
                     notes.append(f"{name}: needs two GPUs")
                     continue
                 device = "cuda:1"
-            where = "same" if caps.same_node and not caps.cross_node else "other"
-            if name == "shm" or caps.needs_device_access:
-                where = "same"
-            conn, _ = peers[where]
+            conn = connections[SAME_NODE if not caps.cross_node else OTHER_NODE]
             seconds = []
             small = agent.config.inline_max_nbytes + _SMALL_NBYTES  # just past inline: a real handle
             for size, count in ((small, max(repeats * 4, 10)), (nbytes, repeats)):
                 value = torch.full((size,), 7, dtype=torch.uint8)
                 if cuda_only:
                     value = value.cuda()
-                conn.send((tw.put(value), name, count, device))
-                if not conn.poll(300):
+                status, result = ask(conn, (tw.put(value), name, device, count), timeout_s=300)
+                if status == "timeout":
                     raise TimeoutError(f"calibration peer gave no answer for {name}")
-                status, result = conn.recv()
                 if status != "ok":
                     notes.append(f"{name}: failed ({result})")
                     break
@@ -101,8 +66,4 @@ def calibrate(nbytes: int = 64 << 20, repeats: int = 5, progress: Any = print) -
                 bandwidth = (nbytes - small) / max(large_s - fixed_s, 1e-9) / 1e9
                 costs[name] = CostEstimate(fixed_us=round(fixed_s * 1e6, 1), bandwidth_gbps=round(bandwidth, 3))
                 progress(f"  {name:9} fixed {fixed_s * 1e6:9.1f} us   bandwidth {bandwidth:8.2f} GB/s")
-    finally:
-        for conn, process in peers.values():
-            conn.send(None)
-            process.join(10)
     return costs, notes

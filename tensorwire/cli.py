@@ -81,34 +81,14 @@ def _print_report(report: dict[str, Any]) -> None:
     print("  transports: " + ", ".join(f"{k} ({v})" for k, v in report["transports"].items()))
 
 
-def _doctor_child(conn: Any, env: dict[str, str]) -> None:
-    """Doctor's peer process: fetch each reference it is sent with the transport named."""
-    import hashlib
-    import os
-
-    os.environ.update(env)
-    import tensorwire as tw
-
-    while True:
-        message = conn.recv()
-        if message is None:
-            return
-        ref, transport, device = message
-        try:
-            value = tw.get(ref, transport=transport, device=device, timeout_s=30)
-            conn.send(("ok", hashlib.sha256(value.cpu().numpy().tobytes()).hexdigest()))
-        except Exception as e:  # noqa: BLE001 - reported to the doctor
-            conn.send(("fail", f"{type(e).__name__}: {e}"))
-
-
 def _doctor() -> list[tuple[str, str, str]]:
     """End-to-end checks with real transfers between this process and local peer processes."""
     import hashlib
-    import multiprocessing as mp
 
     import torch
 
     import tensorwire as tw
+    from tensorwire.peers import OTHER_NODE, ask, digest_of_fetch, peers
     from tensorwire.runtime.ray_env import agent as runtime_agent
     from tensorwire.transport import registry
     from tensorwire.transport.base import MemoryKind
@@ -138,14 +118,7 @@ def _doctor() -> list[tuple[str, str, str]]:
     large = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
     small = large[:1024].clone()  # inline carries only small values
     digests = {id(v): hashlib.sha256(v.numpy().tobytes()).hexdigest() for v in (large, small)}
-    ctx = mp.get_context("spawn")
-    peers = {}
-    for where, env in (("same node", {}), ("other node", {"TENSORWIRE_NODE_ID": f"{agent.peer.node_id}/doctor"})):
-        parent, child = ctx.Pipe()
-        process = ctx.Process(target=_doctor_child, args=(child, env), daemon=True)
-        process.start()
-        peers[where] = (parent, process)
-    try:
+    with peers(digest_of_fetch, agent.peer.node_id, "doctor") as connections:
         for name in registry.registered_transports():
             caps = registry.get_transport_class(name).capabilities
             if name in agent.unusable_transports():
@@ -172,21 +145,15 @@ def _doctor() -> list[tuple[str, str, str]]:
                 ok = hashlib.sha256(got.cpu().numpy().tobytes()).hexdigest() == expected
                 results.append((f"transport {name}", "ok" if ok else "fail", f"same process, {size}"))
                 continue
-            for where, (conn, _process) in peers.items():
-                if where == "other node" and not caps.cross_node:
+            for where, conn in connections.items():
+                if where == OTHER_NODE and not caps.cross_node:
                     continue
-                conn.send((tw.put(value), name, device))
-                if not conn.poll(60):
-                    results.append((f"transport {name}", "fail", f"{where}: no answer within 60 s"))
-                    continue
-                status, detail = conn.recv()
-                if status == "ok" and detail != expected:
+                status, detail = ask(conn, (tw.put(value), name, device), timeout_s=60)
+                if status == "timeout":
+                    status, detail = "fail", f"{where}: {detail}"
+                elif status == "ok" and detail != expected:
                     status, detail = "fail", "data arrived corrupted"
                 results.append((f"transport {name}", status, f"{where}, {size}" if status == "ok" else detail))
-    finally:
-        for conn, process in peers.values():
-            conn.send(None)
-            process.join(10)
     results.extend(_ucx_report(agent))
     return results
 

@@ -159,7 +159,7 @@ class Agent(TransportContext):
             self._client,
             sender=lambda: encode_peer(self._peer),
             address=self._address,
-            may_be_alive=self._owner_may_be_alive,
+            may_be_alive=self.peer_may_be_alive,
             rpc_timeout_s=self._config.rpc_timeout_s,
         )
         self._reaper = threading.Thread(target=self._reap_loop, name="tensorwire-reaper", daemon=True)
@@ -657,12 +657,12 @@ class Agent(TransportContext):
             return peer.unix_address
         return peer.tcp_address
 
-    def _owner_may_be_alive(self, owner: PeerInfo) -> bool:
-        return not owner.same_machine(self._peer) or topology.process_alive(owner.pid, owner.start_time)
+    def peer_may_be_alive(self, peer: PeerInfo) -> bool:
+        return not peer.same_machine(self._peer) or topology.process_alive(peer.pid, peer.start_time)
 
     def _owner_error(self, owner: PeerInfo, error: Exception) -> Exception:
         """Turn a lost-peer error into ``OwnerDiedError`` when the owner is known to have exited."""
-        if isinstance(error, (PeerLostError, TransferTimeoutError)) and not self._owner_may_be_alive(owner):
+        if isinstance(error, (PeerLostError, TransferTimeoutError)) and not self.peer_may_be_alive(owner):
             self._client.drop(self._address(owner))
             return OwnerDiedError(
                 f"the owner of this object (pid {owner.pid} on {owner.hostname}, agent {owner.agent_id}) has exited; "
@@ -720,7 +720,7 @@ class Agent(TransportContext):
 
     def check_owner(self, request: FetchRequest) -> None:
         owner = request.owner
-        if not self._owner_may_be_alive(owner):
+        if not self.peer_may_be_alive(owner):
             raise self._owner_error(owner, PeerLostError("owner exited"))
         status_request = messages["ObjectRequest"](object_id=request.object_id, token=request.token)
         timeout_s = max(0.05, min(request.remaining_s(), self.config.rpc_timeout_s))
@@ -738,7 +738,7 @@ class Agent(TransportContext):
                 left = max(0.05, deadline - time.monotonic())
                 return self._client.call(address, method, request, reply_type, timeout_s=left)
             except grpc.RpcError as e:
-                retry = attempt == 1 and e.code() == grpc.StatusCode.UNAVAILABLE and self._owner_may_be_alive(owner)
+                retry = attempt == 1 and e.code() == grpc.StatusCode.UNAVAILABLE and self.peer_may_be_alive(owner)
                 if retry and deadline - time.monotonic() > 0.1:
                     logger.debug("%s to %s: connection dropped, retrying once", method, owner.agent_id)
                     self._client.drop(address)
@@ -769,7 +769,7 @@ class Agent(TransportContext):
                 return
             except grpc.RpcError as e:
                 retry = attempt == 1 and not received and e.code() == grpc.StatusCode.UNAVAILABLE
-                if retry and self._owner_may_be_alive(request.owner) and request.remaining_s() > 0.1:
+                if retry and self.peer_may_be_alive(request.owner) and request.remaining_s() > 0.1:
                     logger.debug("%s: connection dropped before data, retrying once", what)
                     self._client.drop(address)
                     time.sleep(0.05)

@@ -280,6 +280,10 @@ class TransportContext(ABC):
         """Consumer in the owner's own process: the stored object (raises if freed or token wrong)."""
 
     @abstractmethod
+    def peer_may_be_alive(self, peer: PeerInfo) -> bool:
+        """False only when ``peer`` ran on this machine and its process has exited."""
+
+    @abstractmethod
     def publish_transport_info(self, transport: str, info: str) -> None:
         """Any process: add ``info`` (short text) for ``transport`` to this process's
         ``PeerInfo`` (references made from now on carry it)."""

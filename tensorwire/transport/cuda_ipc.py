@@ -188,8 +188,7 @@ class CudaIpcTransport(Transport):
 
     def _open(self, request: FetchRequest) -> list[torch.Tensor]:
         """The producer's tensors, mapped into this process (opened once per object)."""
-        owner = request.owner
-        if owner.same_machine(self.context.peer) and not topology.process_alive(owner.pid, owner.start_time):
+        if not self.context.peer_may_be_alive(request.owner):
             with self._lock:
                 self._opened.pop(request.object_id, None)  # its memory went with it
             self.context.check_owner(request)  # raises OwnerDiedError

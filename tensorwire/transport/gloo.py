@@ -11,7 +11,6 @@ next transfer.
 from __future__ import annotations
 
 import datetime
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,26 +21,19 @@ import torch.distributed as dist
 
 from tensorwire.errors import PeerLostError, TransferTimeoutError
 from tensorwire.transport.base import Capabilities, MemoryKind
-from tensorwire.transport.pair_groups import CONSUMER_RANK, PRODUCER_RANK, PairGroupTransport, abort_group
+from tensorwire.transport.pair_groups import CONSUMER_RANK, PRODUCER_RANK, GroupOps, PairGroupTransport, post_ops
 from tensorwire.transport.two_sided import Connection, PostedOps
 
 __all__ = ["GlooTransport"]
 
-logger = logging.getLogger(__name__)
 
-
-class _Works(PostedOps):
+class _Works(GroupOps):
     """Gloo send/recv works learn of their completion only inside a blocking ``wait`` (and a
     wait that times out fails the work for good), and a wait does not always return when the
     peer dies. So a helper thread waits for the works once, with the remaining time, while
     the caller runs ``check`` every quarter second and gives up as soon as it fails. The
     helper's own wait ends by the same deadline, and a timed-out gloo wait closes the pair,
     so nothing is written into the buffers after the deadline."""
-
-    def __init__(self, group: Any, works: list[Any], buffers: Sequence[torch.Tensor]) -> None:
-        self._group = group
-        self._works = works
-        self._buffers = buffers  # alive until the works completed
 
     def poll(self) -> bool:
         raise NotImplementedError  # wait() is overridden
@@ -74,19 +66,6 @@ class _Works(PostedOps):
             raise TransferTimeoutError(f"{what}: not complete before the deadline")
         raise PeerLostError(f"{what}: gloo operation failed: {error}")
 
-    def abort(self) -> None:
-        abort_group(self._group)
-
-
-def _post(connection: Connection, post: Any, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> _Works:
-    works: list[Any] = []
-    try:
-        for tag, buffer in zip(tags, buffers, strict=True):
-            works.append(post(tag, buffer))
-    except RuntimeError as e:  # the group's connection is closed: its peer is gone
-        raise PeerLostError(f"gloo: the group with agent {connection.peer.agent_id} is broken: {e}") from None
-    return _Works(connection.state, works, buffers)
-
 
 class GlooTransport(PairGroupTransport):
     """Two-rank gloo process groups per pair of agents; host memory, any node."""
@@ -114,8 +93,10 @@ class GlooTransport(PairGroupTransport):
 
     def post_sends(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
         group = connection.state
-        return _post(connection, lambda t, b: group.send([b], CONSUMER_RANK, t), tags, buffers)
+        works = post_ops(self.name, connection, lambda t, b: group.send([b], CONSUMER_RANK, t), tags, buffers)
+        return _Works(group, works, buffers)
 
     def post_recvs(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
         group = connection.state
-        return _post(connection, lambda t, b: group.recv([b], PRODUCER_RANK, t), tags, buffers)
+        works = post_ops(self.name, connection, lambda t, b: group.recv([b], PRODUCER_RANK, t), tags, buffers)
+        return _Works(group, works, buffers)

@@ -30,10 +30,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorwire.errors import PeerLostError, TransportError
+from tensorwire.errors import TransportError
 from tensorwire.transport import topology
-from tensorwire.transport.base import Capabilities, FetchRequest, MemoryKind, StoredObject
-from tensorwire.transport.pair_groups import CONSUMER_RANK, PRODUCER_RANK, PairGroupTransport, abort_group
+from tensorwire.transport.base import Capabilities, FetchRequest, MemoryKind
+from tensorwire.transport.pair_groups import (
+    CONSUMER_RANK,
+    PRODUCER_RANK,
+    GroupOps,
+    PairGroupTransport,
+    abort_group,
+    post_ops,
+)
 from tensorwire.transport.two_sided import Connection, PostedOps
 
 __all__ = ["NcclTransport"]
@@ -41,28 +48,12 @@ __all__ = ["NcclTransport"]
 _GROUP_TIMEOUT = datetime.timedelta(hours=6)  # tensorwire aborts long before
 
 
-class _Works(PostedOps):
-    def __init__(self, group: Any, works: list[Any], buffers: Sequence[torch.Tensor]) -> None:
-        self._group = group
-        self._works = works
-        self._buffers = buffers  # alive until the works completed
-
+class _Works(GroupOps):
     def poll(self) -> bool:
         try:
             return all(work.is_completed() for work in self._works)
         except RuntimeError as e:
             raise TransportError(f"nccl operation failed: {e}") from None
-
-    def abort(self) -> None:
-        abort_group(self._group)
-
-
-def _post(connection: Connection, post: Any, buffers: Sequence[torch.Tensor]) -> _Works:
-    try:
-        works = [post(buffer) for buffer in buffers]
-    except RuntimeError as e:
-        raise PeerLostError(f"nccl: the group with agent {connection.peer.agent_id} is broken: {e}") from None
-    return _Works(connection.state, works, buffers)
 
 
 class NcclTransport(PairGroupTransport):
@@ -127,16 +118,14 @@ class NcclTransport(PairGroupTransport):
             )
         return f"{src[0]}->{dst_devices[0]}"
 
-    def serve(self, obj: StoredObject, params: bytes) -> Any:
-        obj.wait_ready()
-        return super().serve(obj, params)
-
     def post_sends(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
         group = connection.state
-        with torch.cuda.device(buffers[0].device if buffers else None):
-            return _post(connection, lambda b: group.send([b], CONSUMER_RANK, 0), buffers)
+        with torch.cuda.device(buffers[0].device if buffers else None):  # NCCL ignores tags: order matches
+            works = post_ops(self.name, connection, lambda _t, b: group.send([b], CONSUMER_RANK, 0), tags, buffers)
+        return _Works(group, works, buffers)
 
     def post_recvs(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
         group = connection.state
         with torch.cuda.device(buffers[0].device if buffers else None):
-            return _post(connection, lambda b: group.recv([b], PRODUCER_RANK, 0), buffers)
+            works = post_ops(self.name, connection, lambda _t, b: group.recv([b], PRODUCER_RANK, 0), tags, buffers)
+        return _Works(group, works, buffers)

@@ -14,16 +14,25 @@ import datetime
 import secrets
 import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from tensorwire.errors import TransferTimeoutError, TransportError
+from tensorwire.errors import PeerLostError, TransferTimeoutError, TransportError
 from tensorwire.transport.base import PeerInfo
-from tensorwire.transport.two_sided import TwoSidedTransport, check_alive
+from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport
 
-__all__ = ["CONSUMER_RANK", "PRODUCER_RANK", "ControlStore", "PairGroupTransport"]
+__all__ = [
+    "CONSUMER_RANK",
+    "PRODUCER_RANK",
+    "ControlStore",
+    "GroupOps",
+    "PairGroupTransport",
+    "abort_group",
+    "post_ops",
+]
 
 PRODUCER_RANK = 0
 CONSUMER_RANK = 1
@@ -51,7 +60,8 @@ class ControlStore(dist.Store):
             except TransferTimeoutError:
                 if time.monotonic() >= deadline:
                     raise
-                check_alive(self._peer, f"rendezvous with agent {self._peer.agent_id}")
+                if not self._context.peer_may_be_alive(self._peer):
+                    raise PeerLostError(f"rendezvous with agent {self._peer.agent_id}: its process exited") from None
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
         for key in keys:
@@ -101,6 +111,32 @@ class PairGroupTransport(TwoSidedTransport):
 
     def close_connection(self, connection: Any) -> None:
         abort_group(connection.state)
+
+
+class GroupOps(PostedOps):
+    """Works posted on one pair group for one transfer; aborting them aborts the group."""
+
+    def __init__(self, group: Any, works: list[Any], buffers: Sequence[torch.Tensor]) -> None:
+        self._group = group
+        self._works = works
+        self._buffers = buffers  # alive until the works completed
+
+    def abort(self) -> None:
+        abort_group(self._group)
+
+
+def post_ops(
+    name: str,
+    connection: Connection,
+    post: Callable[[int, torch.Tensor], Any],
+    tags: Sequence[int],
+    buffers: Sequence[torch.Tensor],
+) -> list[Any]:
+    """``post(tag, buffer)`` for each message; a closed group (its peer is gone) is ``PeerLostError``."""
+    try:
+        return [post(tag, buffer) for tag, buffer in zip(tags, buffers, strict=True)]
+    except RuntimeError as e:
+        raise PeerLostError(f"{name}: the group with agent {connection.peer.agent_id} is broken: {e}") from None
 
 
 def abort_group(group: Any) -> None:

@@ -204,6 +204,9 @@ def _shared_memory() -> dict[str, object]:
     }
 
 
+_INFINIBAND = "/sys/class/infiniband"
+
+
 def sysfs_pci_address(bus_id: str) -> str:
     """NVML's "00000000:3B:00.0" as sysfs spells it: "0000:3b:00.0"."""
     domain, _, rest = bus_id.strip().partition(":")
@@ -221,14 +224,18 @@ def gpu_nic_affinity(gpus: list[dict[str, object]], nics: list[dict[str, object]
     return near
 
 
-def _rdma_nics() -> list[dict[str, object]]:
-    base = "/sys/class/infiniband"
+def rdma_nic_names() -> list[str]:
+    """This machine's RDMA NICs (InfiniBand / RoCE), by name."""
     try:
-        names = sorted(os.listdir(base))
+        return sorted(os.listdir(_INFINIBAND))
     except OSError:
         return []
+
+
+def _rdma_nics() -> list[dict[str, object]]:
+    base = _INFINIBAND
     nics = []
-    for name in names:
+    for name in rdma_nic_names():
         ports = []
         try:
             port_names = sorted(os.listdir(f"{base}/{name}/ports"))

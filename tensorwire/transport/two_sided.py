@@ -29,7 +29,7 @@ import secrets
 import struct
 import threading
 import time
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,12 +39,11 @@ import grpc
 import torch
 
 from tensorwire.errors import PeerLostError, TransferAbortedError, TransferTimeoutError, TransportError
-from tensorwire.transport import topology
 from tensorwire.transport.base import FetchRequest, PeerInfo, StoredObject, Transport
 from tensorwire.transport.control import RequestError
 from tensorwire.transport.packing import byte_view, message_plan
 
-__all__ = ["Connection", "PostedOps", "TwoSidedTransport", "check_alive"]
+__all__ = ["Connection", "PostedOps", "TwoSidedTransport"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +67,11 @@ class Connection:
     lock: threading.Lock = field(default_factory=threading.Lock)  # serialises transfers where needed
 
 
-def check_alive(peer: PeerInfo, what: str) -> None:
-    """Raise ``PeerLostError`` if ``peer`` ran on this machine and its process exited."""
-    if peer.machine_id == topology.machine_id() and not topology.process_alive(peer.pid, peer.start_time):
-        raise PeerLostError(f"{what}: peer process {peer.pid} exited")
-
-
 class _Reconnect(Exception):
     """Internal: the attempt failed on a stale or broken connection; try a new one."""
 
 
-class PostedOps:
+class PostedOps(ABC):
     """Sends or receives posted by a transport for one transfer.
 
     Subclasses implement :meth:`poll` and :meth:`abort`; :meth:`wait` is shared.
@@ -165,6 +158,11 @@ class TwoSidedTransport(Transport):
 
     # ------------------------------------------------------------------ connections
 
+    def check_alive(self, peer: PeerInfo, what: str) -> None:
+        """Raise ``PeerLostError`` if ``peer`` ran on this machine and its process exited."""
+        if not self.context.peer_may_be_alive(peer):
+            raise PeerLostError(f"{what}: peer process {peer.pid} exited")
+
     def _connection_to(self, owner: PeerInfo, deadline: float, scope: str) -> Connection:
         cache_key = (owner.agent_id, scope)
         with self._lock:
@@ -212,6 +210,8 @@ class TwoSidedTransport(Transport):
             connections = [
                 c for c in (*self._outgoing.values(), *self._incoming.values()) if c.peer.agent_id == agent_id
             ]
+            for gate in [k for k in self._connecting if k.startswith(f"{agent_id}|")]:
+                del self._connecting[gate]
         for connection in connections:
             self._drop(connection)
 
@@ -310,21 +310,18 @@ class TwoSidedTransport(Transport):
             if answer != [_POSTED]:
                 raise TransferAbortedError(f"{what}: the owner did not post its sends")
             posted.wait(request.deadline, lambda: self.context.check_owner(request), what)
-        except TransportError as e:
+        except BaseException as e:
             posted.abort()
             self._drop(connection)
-            if _UNKNOWN_CONNECTION in str(e):
+            if isinstance(e, TransportError) and _UNKNOWN_CONNECTION in str(e):
                 logger.debug("%s: the owner no longer knows the connection; reconnecting", what)
                 raise _Reconnect from None
-            raise
-        except BaseException:
-            posted.abort()
-            self._drop(connection)
             raise
         self._unpack(plan, buffers, dst)
 
     def serve(self, obj: StoredObject, params: bytes) -> Iterator[bytes]:
-        """Producer, on an agent service thread: post the sends the consumer asked for."""
+        """Producer, on an agent service thread: post the sends the consumer asked for (after
+        the work that produced device tensors, see ``StoredObject.wait_ready``)."""
         if len(params) != _PARAMS.size:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: malformed transfer parameters")
         key, tag_base, deadline_ms = _PARAMS.unpack(params)
@@ -335,6 +332,7 @@ class TwoSidedTransport(Transport):
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name}: {_UNKNOWN_CONNECTION}")
         plan = self._plan([m.nbytes for m in obj.metas])
         tags = [(tag_base << _TAG_SHIFT) | i for i in range(len(plan))]
+        obj.wait_ready()
         return self._serve(connection, plan, tags, obj.tensors, deadline)
 
     def _serve(
@@ -356,7 +354,7 @@ class TwoSidedTransport(Transport):
         they fail or outlive the consumer's deadline (the consumer then reconnects)."""
         what = f"{self.name} send to agent {connection.peer.agent_id}"
         try:
-            posted.wait(deadline, lambda: check_alive(connection.peer, what), what)
+            posted.wait(deadline, lambda: self.check_alive(connection.peer, what), what)
         except Exception as e:  # noqa: BLE001 - reported, and the connection is dropped
             logger.info("%s failed: %s", what, e)
             posted.abort()

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from tensorwire.errors import TransportError
-from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo, StoredObject
+from tensorwire.transport import topology
+from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
 from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport
 
 __all__ = ["UcxTransport", "active_transports", "prefer_system_ucx"]
@@ -50,20 +51,13 @@ def prefer_system_ucx(
     before ``ucxx`` is imported. Returns whether it set the preference."""
     if "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY" in env:
         return False
-    nics = rdma_nics if rdma_nics is not None else _rdma_nic_names()
+    nics = rdma_nics if rdma_nics is not None else topology.rdma_nic_names()
     library = ctypes.util.find_library("ucp") if system_ucp == "" else system_ucp
     if nics and library:
         env["RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY"] = "true"
         logger.info("ucx: RDMA NICs %s and a system UCX (%s) found: preferring it", ", ".join(nics), library)
         return True
     return False
-
-
-def _rdma_nic_names() -> list[str]:
-    try:
-        return sorted(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return []
 
 
 def active_transports(context_info: str) -> list[str]:
@@ -86,7 +80,7 @@ class _Worker:
         self.array = Array
         self.context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self.worker = ucx_api.UCXWorker(self.context)
-        if _cuda_available():  # the progress thread needs a current CUDA context for device memory
+        if torch.cuda.is_available():  # the progress thread needs a current CUDA context for device memory
             self.worker.set_progress_thread_start_callback(_set_cuda_device, cb_args=(torch.cuda.current_device(),))
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=_EPOLL_TIMEOUT_MS)
         self.address = bytes(self.worker.address)
@@ -102,13 +96,6 @@ class _Worker:
 
     def close(self) -> None:
         self.worker.stop_progress_thread()
-
-
-def _cuda_available() -> bool:
-    try:
-        return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def _set_cuda_device(index: int) -> None:
@@ -209,10 +196,6 @@ class UcxTransport(TwoSidedTransport):
             connection.state.close()
         except Exception:
             logger.debug("ucx endpoint close failed", exc_info=True)
-
-    def serve(self, obj: StoredObject, params: bytes) -> Any:
-        obj.wait_ready()
-        return super().serve(obj, params)
 
     def prepare_send(self, buffers: Sequence[torch.Tensor]) -> None:
         _synchronize(buffers)  # UCX reads device memory outside any stream

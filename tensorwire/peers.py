@@ -1,0 +1,83 @@
+"""Peer processes for the CLI's end-to-end checks (``doctor``, ``bench --calibrate``).
+
+One peer runs on this node and one claims another node (``TENSORWIRE_NODE_ID``), so both
+the same-node and the cross-node paths are exercised on one machine. Each peer runs a task
+on every ``(ref, transport, device, *extra)`` it is sent and answers ``("ok", result)`` or
+``("fail", "Error: message")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["OTHER_NODE", "SAME_NODE", "ask", "digest_of_fetch", "median_fetch_seconds", "peers"]
+
+SAME_NODE = "same node"
+OTHER_NODE = "other node"
+
+
+def digest_of_fetch(ref: Any, transport: str, device: Any) -> str:
+    """Fetch once; the SHA-256 of what arrived."""
+    import tensorwire as tw
+
+    value = tw.get(ref, transport=transport, device=device, timeout_s=30)
+    return hashlib.sha256(value.cpu().numpy().tobytes()).hexdigest()
+
+
+def median_fetch_seconds(ref: Any, transport: str, device: Any, repeats: int) -> float:
+    """Fetch once to connect and map, then ``repeats`` times; the median seconds."""
+    import tensorwire as tw
+
+    tw.get(ref, transport=transport, device=device, timeout_s=60)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tw.get(ref, transport=transport, device=device, timeout_s=60)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _serve(conn: Any, env: dict[str, str], task: Callable[..., Any]) -> None:
+    os.environ.update(env)
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        try:
+            conn.send(("ok", task(*message)))
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            conn.send(("fail", f"{type(e).__name__}: {e}"))
+
+
+def ask(conn: Any, message: tuple[Any, ...], timeout_s: float) -> tuple[str, Any]:
+    """Send ``message`` to a peer; its answer, or ``("timeout", ...)`` if none came in time."""
+    conn.send(message)
+    if not conn.poll(timeout_s):
+        return "timeout", f"no answer within {timeout_s:.0f} s"
+    return conn.recv()
+
+
+@contextlib.contextmanager
+def peers(task: Callable[..., Any], node_id: str, suffix: str) -> Iterator[dict[str, Any]]:
+    """Two peer processes running ``task`` (a module-level function): {where: connection}."""
+    ctx = mp.get_context("spawn")
+    started = {}
+    for where, env in ((SAME_NODE, {}), (OTHER_NODE, {"TENSORWIRE_NODE_ID": f"{node_id}/{suffix}"})):
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=_serve, args=(child, env, task), daemon=True)
+        process.start()
+        started[where] = (parent, process)
+    try:
+        yield {where: conn for where, (conn, _) in started.items()}
+    finally:
+        for conn, process in started.values():
+            with contextlib.suppress(OSError):
+                conn.send(None)
+            process.join(10)
