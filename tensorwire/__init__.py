@@ -23,6 +23,8 @@ from tensorwire.errors import (
 )
 
 if TYPE_CHECKING:
+    from tensorwire import collectives as collective
+    from tensorwire.collectives import WeightSync
     from tensorwire.runtime.actor import method, passthrough, remote
     from tensorwire.runtime.api import free, get, init, put, stats, wait
     from tensorwire.runtime.ref import Ref
@@ -41,6 +43,8 @@ __all__ = [
     "TransferTimeoutError",
     "TransportError",
     "TransportUnavailableError",
+    "WeightSync",
+    "collective",
     "errors",
     "free",
     "get",
@@ -64,10 +68,15 @@ _LAZY = {
     "free": "tensorwire.runtime.api",
     "stats": "tensorwire.runtime.api",
     "Ref": "tensorwire.runtime.ref",
+    "WeightSync": "tensorwire.collectives",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name == "collective":  # tw.collective.create_group(...)
+        value = importlib.import_module("tensorwire.collectives")
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tensorwire' has no attribute {name!r}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ from tensorwire.runtime.pending import Pending
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ref import Ref, RefState
 
-__all__ = ["ActorClass", "ActorHandle", "ActorMethod", "MethodOptions", "RemoteFunction", "method", "passthrough",
-           "remote"]  # fmt: skip
+__all__ = ["HOOK_METHOD", "ActorClass", "ActorHandle", "ActorMethod", "MethodOptions", "RemoteFunction", "method",
+           "passthrough", "remote"]  # fmt: skip
 
 _METHOD_ATTR = "__tensorwire_method__"
 _CALL_KWARG = "__tw_call__"
@@ -240,6 +241,22 @@ def _wrap_method(fn: Callable[..., Any], options: MethodOptions) -> Callable[...
     return wrapper
 
 
+_HOOK_PACKAGE = "tensorwire.collectives."
+
+
+def _tw_hook(self: Any, function: str, *args: Any, **kwargs: Any) -> Any:
+    """Hidden method of every tensorwire actor: ``function(actor, *args, **kwargs)``, for the
+    layers above the runtime (collectives join groups and sync weights through it). Only
+    functions of that package can be named; the runtime does not import it."""
+    module_name, _, name = function.rpartition(".")
+    if not function.startswith(_HOOK_PACKAGE) or not name:
+        raise ValueError(f"not a tensorwire hook: {function!r}")
+    return getattr(importlib.import_module(module_name), name)(self, *args, **kwargs)
+
+
+HOOK_METHOD = "_tw_hook"
+
+
 def _method_table(cls: type) -> dict[str, MethodOptions]:
     table: dict[str, MethodOptions] = {}
     for name in dir(cls):
@@ -327,6 +344,7 @@ class ActorClass:
         self._options = options
         self._methods = _method_table(cls)
         namespace = {name: _wrap_method(getattr(cls, name), opts) for name, opts in self._methods.items()}
+        namespace[HOOK_METHOD] = _tw_hook
         namespace["__module__"] = cls.__module__
         namespace["__qualname__"] = cls.__qualname__
         self._wrapped = type(cls.__name__, (cls,), namespace)

@@ -22,10 +22,10 @@ from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ray_env import configure_process
 from tensorwire.runtime.ref import Ref, RefState
 from tensorwire.transport import topology
-from tensorwire.transport.base import TensorKind, TensorMeta
+from tensorwire.transport.base import ObjectDescriptor, TensorKind, TensorMeta
 from tensorwire.transport.packing import packed_layout
 
-__all__ = ["free", "get", "get_async", "init", "put", "stats", "wait"]
+__all__ = ["free", "get", "get_async", "init", "put", "register_tensors", "stats", "target_device", "wait"]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -80,6 +80,15 @@ def put(value: Any) -> Ref:
     """
     skeleton, tensors, kinds = values.flatten(value)
     skeleton_bytes = values.dumps_skeleton(skeleton)
+    desc = register_tensors(tensors, kinds)
+    return Ref(RefState(desc, skeleton_bytes, {}, b""), skeleton)
+
+
+def register_tensors(tensors: list[torch.Tensor], kinds: list[TensorKind] | None = None) -> ObjectDescriptor:
+    """Register contiguous ``tensors`` as one object of this process, with no reference to it:
+    the caller frees it (``runtime_agent().free(desc)``). What :func:`put` and the
+    collectives build on."""
+    kinds = kinds or [TensorKind.TORCH] * len(tensors)
     offsets, packed_nbytes = packed_layout(t.numel() * t.element_size() for t in tensors)
     metas = tuple(
         TensorMeta(
@@ -93,8 +102,7 @@ def put(value: Any) -> Ref:
         )
         for t, offset, kind in zip(tensors, offsets, kinds, strict=True)
     )
-    desc = runtime_agent().register(tensors, metas, packed_nbytes, ready=_ready_events(tensors))
-    return Ref(RefState(desc, skeleton_bytes, {}, b""), skeleton)
+    return runtime_agent().register(tensors, metas, packed_nbytes, ready=_ready_events(tensors))
 
 
 def _ready_events(tensors: list[torch.Tensor]) -> list[Any]:
@@ -107,7 +115,7 @@ def _ready_events(tensors: list[torch.Tensor]) -> list[Any]:
     return events
 
 
-def _target_device(meta: TensorMeta, device: str | torch.device | None) -> torch.device:
+def target_device(meta: TensorMeta, device: str | torch.device | None) -> torch.device:
     """Where a fetched tensor lands: ``device`` if given; for a CUDA tensor, the same physical
     GPU (found by UUID, whatever the index) when this process sees it, else this process's
     current GPU, else the CPU."""
@@ -145,7 +153,7 @@ def _place(skeleton: Any, tensors: list[torch.Tensor], metas: tuple[TensorMeta, 
                 buffer.copy_(tensor)
             leaves.append(outs[i])
             continue
-        target = _target_device(meta, device)
+        target = target_device(meta, device)
         placed = tensor if tensor.device == target else tensor.to(target)
         leaves.append(_as_kind(placed, meta.kind))
     return values.unflatten(skeleton, leaves)
@@ -207,7 +215,7 @@ def _get_one(
             buffer = out_tensors.get(i)
             usable = buffer is not None and buffer.device.type in ("cpu", "cuda") and buffer.is_contiguous()
             dst.append(buffer if usable else None)
-    targets = [_target_device(meta, device) for meta in desc.metas]
+    targets = [target_device(meta, device) for meta in desc.metas]
     tensors, _record = agent.fetch(
         desc,
         state.handles,

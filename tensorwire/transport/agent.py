@@ -701,13 +701,58 @@ class Agent(TransportContext):
 
     def rendezvous_set(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
         self._rendezvous_put(group, key, value)
+        self.rendezvous_push(peer, group, key, value, timeout_s=timeout_s)
+
+    def rendezvous_push(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
+        """Set ``key`` in ``peer``'s rendezvous table only (this agent's own is left alone)."""
+        if peer.agent_id == self._peer.agent_id:
+            self._rendezvous_put(group, key, value)
+            return
         message = messages["RendezvousRequest"](group=group, key=key, value=value)
         self._ask(peer, "Rendezvous", message, "RendezvousReply", timeout_s=timeout_s)
+
+    def rendezvous_push_async(
+        self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float
+    ) -> Callable[[], None]:
+        """Start :meth:`rendezvous_push`; the returned function waits for it (and raises its
+        error). Lets a sender tell several peers at once."""
+        if peer.agent_id == self._peer.agent_id:
+            self._rendezvous_put(group, key, value)
+            return lambda: None
+        message = messages["RendezvousRequest"](group=group, key=key, value=value)
+        try:
+            future = self._client.call_async(
+                self._address(peer), "Rendezvous", message, "RendezvousReply", timeout_s=timeout_s
+            )
+        except grpc.RpcError:
+            future = None
+
+        def wait() -> None:
+            try:
+                if future is not None:
+                    future.result()
+                    return
+            except grpc.RpcError:
+                pass
+            self.rendezvous_push(peer, group, key, value, timeout_s=timeout_s)  # retried once, errors mapped
+
+        return wait
 
     def rendezvous_get(self, group: str, key: str, *, timeout_s: float) -> bytes:
         deadline = time.monotonic() + timeout_s
         with self._rendezvous_changed:
             while (value := self._rendezvous.get(group, {}).get(key)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(f"rendezvous {group}: key {key!r} not set before the deadline")
+                self._rendezvous_changed.wait(left)
+            return value
+
+    def rendezvous_take(self, group: str, key: str, *, timeout_s: float) -> bytes:
+        """Like :meth:`rendezvous_get`, and remove the key (a message consumed once)."""
+        deadline = time.monotonic() + timeout_s
+        with self._rendezvous_changed:
+            while (value := self._rendezvous.get(group, {}).pop(key, None)) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeoutError(f"rendezvous {group}: key {key!r} not set before the deadline")
@@ -957,7 +1002,7 @@ class Agent(TransportContext):
 
 _FOREIGN_KINDS = frozenset({TensorKind.CUPY, TensorKind.DLPACK})  # memory torch did not allocate
 _RENDEZVOUS_MAX_GROUPS = 256  # groups being connected at once; older ones are dropped
-_RENDEZVOUS_MAX_VALUE = 64 * 1024
+_RENDEZVOUS_MAX_VALUE = 1024 * 1024  # an announcement of a bucket of many tensors
 
 
 def _destinations(

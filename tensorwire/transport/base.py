@@ -307,6 +307,10 @@ class TransportContext(ABC):
         """Either side of a connection: publish ``key`` of ``group`` here and at ``peer``."""
 
     @abstractmethod
+    def rendezvous_push(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
+        """Set ``key`` of ``group`` at ``peer`` only (a member of a larger group telling another)."""
+
+    @abstractmethod
     def rendezvous_get(self, group: str, key: str, *, timeout_s: float) -> bytes:
         """Either side: the value of ``key`` of ``group`` once set here or pushed by the peer."""
 

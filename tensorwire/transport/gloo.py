@@ -24,10 +24,10 @@ from tensorwire.transport.base import Capabilities, MemoryKind
 from tensorwire.transport.pair_groups import CONSUMER_RANK, PRODUCER_RANK, GroupOps, PairGroupTransport, post_ops
 from tensorwire.transport.two_sided import Connection, PostedOps
 
-__all__ = ["GlooTransport"]
+__all__ = ["GlooTransport", "GlooWorks"]
 
 
-class _Works(GroupOps):
+class GlooWorks(GroupOps):
     """Gloo send/recv works learn of their completion only inside a blocking ``wait`` (and a
     wait that times out fails the work for good), and a wait does not always return when the
     peer dies. So a helper thread waits for the works once, with the remaining time, while
@@ -94,9 +94,9 @@ class GlooTransport(PairGroupTransport):
     def post_sends(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
         group = connection.state
         works = post_ops(self.name, connection, lambda t, b: group.send([b], CONSUMER_RANK, t), tags, buffers)
-        return _Works(group, works, buffers)
+        return GlooWorks(group, works, buffers)
 
     def post_recvs(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
         group = connection.state
         works = post_ops(self.name, connection, lambda t, b: group.recv([b], PRODUCER_RANK, t), tags, buffers)
-        return _Works(group, works, buffers)
+        return GlooWorks(group, works, buffers)

@@ -43,12 +43,12 @@ from tensorwire.transport.pair_groups import (
 )
 from tensorwire.transport.two_sided import Connection, PostedOps
 
-__all__ = ["NcclTransport"]
+__all__ = ["NcclTransport", "NcclWorks"]
 
 _GROUP_TIMEOUT = datetime.timedelta(hours=6)  # tensorwire aborts long before
 
 
-class _Works(GroupOps):
+class NcclWorks(GroupOps):
     def poll(self) -> bool:
         try:
             return all(work.is_completed() for work in self._works)
@@ -122,10 +122,10 @@ class NcclTransport(PairGroupTransport):
         group = connection.state
         with torch.cuda.device(buffers[0].device if buffers else None):  # NCCL ignores tags: order matches
             works = post_ops(self.name, connection, lambda _t, b: group.send([b], CONSUMER_RANK, 0), tags, buffers)
-        return _Works(group, works, buffers)
+        return NcclWorks(group, works, buffers)
 
     def post_recvs(self, connection: Connection, tags: Sequence[int], buffers: Sequence[torch.Tensor]) -> PostedOps:
         group = connection.state
         with torch.cuda.device(buffers[0].device if buffers else None):
             works = post_ops(self.name, connection, lambda _t, b: group.recv([b], PRODUCER_RANK, 0), tags, buffers)
-        return _Works(group, works, buffers)
+        return NcclWorks(group, works, buffers)

@@ -39,18 +39,21 @@ CONSUMER_RANK = 1
 
 
 class ControlStore(dist.Store):
-    """A c10d store for one two-rank group, backed by the agents' control services."""
+    """A c10d store for one group, backed by the agents' control services: a key set by one
+    member is pushed to every other member (``peers``) and read from the local table."""
 
-    def __init__(self, context: Any, peer: PeerInfo, group: str, timeout_s: float) -> None:
+    def __init__(self, context: Any, peers: Sequence[PeerInfo], group: str, timeout_s: float) -> None:
         super().__init__()
         self._context = context
-        self._peer = peer
+        self._peers = tuple(peers)
         self._group = group
         self._timeout_s = timeout_s
 
     def set(self, key: str, value: Any) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
-        self._context.rendezvous_set(self._peer, self._group, key, data, timeout_s=self._timeout_s)
+        self._context.rendezvous_set(self._peers[0], self._group, key, data, timeout_s=self._timeout_s)
+        for peer in self._peers[1:]:
+            self._context.rendezvous_push(peer, self._group, key, data, timeout_s=self._timeout_s)
 
     def get(self, key: str) -> bytes:
         deadline = time.monotonic() + self._timeout_s
@@ -60,8 +63,9 @@ class ControlStore(dist.Store):
             except TransferTimeoutError:
                 if time.monotonic() >= deadline:
                     raise
-                if not self._context.peer_may_be_alive(self._peer):
-                    raise PeerLostError(f"rendezvous with agent {self._peer.agent_id}: its process exited") from None
+                for peer in self._peers:
+                    if not self._context.peer_may_be_alive(peer):
+                        raise PeerLostError(f"rendezvous with agent {peer.agent_id}: its process exited") from None
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
         for key in keys:
@@ -86,7 +90,7 @@ class PairGroupTransport(TwoSidedTransport):
     def _make_group(self, peer: PeerInfo, group: str, rank: int, timeout_s: float, scope: str) -> Any:
         timeout_s = max(timeout_s, 1.0)
         try:
-            return self.new_group(ControlStore(self.context, peer, group, timeout_s), rank, timeout_s, scope)
+            return self.new_group(ControlStore(self.context, [peer], group, timeout_s), rank, timeout_s, scope)
         except RuntimeError as e:
             raise TransportError(f"{self.name}: could not form a group with agent {peer.agent_id}: {e}") from None
         finally:

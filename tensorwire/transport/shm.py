@@ -23,10 +23,10 @@ import torch
 
 from tensorwire.errors import TransportError, TransportUnavailableError
 from tensorwire.transport import topology
-from tensorwire.transport.base import Capabilities, FetchRequest, StoredObject, TensorMeta, Transport
+from tensorwire.transport.base import Capabilities, FetchRequest, PeerInfo, StoredObject, TensorMeta, Transport
 from tensorwire.transport.packing import byte_view
 
-__all__ = ["SHM_DIR", "ShmTransport", "remove_orphan_segments", "segment_prefix"]
+__all__ = ["SHM_DIR", "ShmTransport", "create_segment", "open_segment", "remove_orphan_segments", "segment_prefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,24 +91,15 @@ class ShmTransport(Transport):
         """
         if any(t.device.type != "cpu" for t in obj.tensors):
             return None  # device memory goes by cuda_ipc, or two-sided transports that stage it
-        peer = self.context.peer
-        name = f"{segment_prefix()}{peer.pid}-{peer.start_time}-{secrets.token_hex(16)}"
-        path = os.path.join(SHM_DIR, name)
-        size = max(obj.packed_nbytes, 1)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        name, path, fd = create_segment(self.context.peer, obj.packed_nbytes)
         try:
-            os.ftruncate(fd, size)
             for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
                 if meta.nbytes:
                     _write_all(fd, memoryview(byte_view(tensor).numpy()), meta.offset)
         except OSError as e:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise TransportUnavailableError(
-                    f"{SHM_DIR} has no room for a {size}-byte segment ({_free_nbytes()} bytes free); "
-                    "enlarge it (e.g. docker --shm-size) or free objects"
-                ) from e
+            _raise_no_room(e, obj.packed_nbytes)
             raise
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -131,22 +122,16 @@ class ShmTransport(Transport):
     def _open(self, request: FetchRequest) -> int:
         if request.handle is None:
             raise TransportUnavailableError("the reference carries no shared-memory segment")
-        name = request.handle.decode()
-        if "/" in name or not name.startswith(segment_prefix()):
-            raise TransportError(f"invalid shared-memory segment name {name!r}")
         owner = request.owner
         if not topology.process_alive(owner.pid, owner.start_time):
             self.context.check_owner(request)  # raises OwnerDiedError
         try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
+            return open_segment(request.handle.decode(), request.packed_nbytes)
         except FileNotFoundError:
             self.context.check_owner(request)  # raises ObjectFreedError / OwnerDiedError
-            raise TransportError(f"shared-memory segment {name} is missing though its owner keeps the object") from None
-        info = os.fstat(fd)
-        if info.st_uid != os.getuid() or info.st_size < request.packed_nbytes:
-            os.close(fd)
-            raise TransportError(f"shared-memory segment {name} has the wrong owner or size ({info.st_size} bytes)")
-        return fd
+            raise TransportError(
+                f"shared-memory segment {request.handle.decode()} is missing though its owner keeps the object"
+            ) from None
 
     def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
         """Consumer: map the segment read-only and copy into ``dst``; blocks for the copy."""
@@ -175,6 +160,53 @@ class ShmTransport(Transport):
             os.close(fd)
         buffer = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))  # keeps ``mm`` alive
         return [_tensor_at(buffer, meta) for meta in request.metas]
+
+
+def create_segment(peer: PeerInfo, nbytes: int, *, reserve: bool = False) -> tuple[str, str, int]:
+    """A new segment of ``nbytes`` (at least 1) for ``peer``'s process: its name, path and an
+    open read-write descriptor (the caller closes it). Mode 0600, created exclusively; the
+    name carries the pid and start time, for :func:`remove_orphan_segments`. ``reserve``
+    allocates the pages now, so that later stores through a mapping cannot hit a full
+    ``/dev/shm`` (which would be a SIGBUS). Raises ``TransportUnavailableError`` when there
+    is no room."""
+    name = f"{segment_prefix()}{peer.pid}-{peer.start_time}-{secrets.token_hex(16)}"
+    path = os.path.join(SHM_DIR, name)
+    size = max(nbytes, 1)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        if reserve:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        _raise_no_room(e, size)
+        raise
+    return name, path, fd
+
+
+def open_segment(name: str, nbytes: int) -> int:
+    """Open another process's segment read-only after checking its name, owner and size; a
+    descriptor the caller closes. Raises ``FileNotFoundError`` when it is gone and
+    ``TransportError`` when it is not one of this user's segments or is too small."""
+    if "/" in name or not name.startswith(segment_prefix()):
+        raise TransportError(f"invalid shared-memory segment name {name!r}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
+    info = os.fstat(fd)
+    if info.st_uid != os.getuid() or info.st_size < nbytes:
+        os.close(fd)
+        raise TransportError(f"shared-memory segment {name} has the wrong owner or size ({info.st_size} bytes)")
+    return fd
+
+
+def _raise_no_room(error: OSError, size: int) -> None:
+    """Raise ``TransportUnavailableError`` if ``error`` says ``/dev/shm`` is full."""
+    if error.errno in (errno.ENOSPC, errno.ENOMEM):
+        raise TransportUnavailableError(
+            f"{SHM_DIR} has no room for a {size}-byte segment ({_free_nbytes()} bytes free); "
+            "enlarge it (e.g. docker --shm-size) or free objects"
+        ) from error
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:

@@ -29,6 +29,12 @@ Equivalent ``.proto``::
     message ConnectReply { bytes payload = 1; }
     message RendezvousRequest { string group = 1; string key = 2; bytes value = 3; }
     message RendezvousReply { }
+    message TensorMeta { repeated int64 shape = 1; string dtype = 2; string device = 3; int64 nbytes = 4;
+                         int64 offset = 5; string kind = 6; string device_uuid = 7; }
+    message Handle { string transport = 1; bytes value = 2; }
+    message Announcement { bytes object_id = 1; bytes token = 2; Peer owner = 3;
+                           repeated TensorMeta metas = 4; int64 packed_nbytes = 5;
+                           repeated Handle handles = 6; }
 """
 
 from __future__ import annotations
@@ -45,12 +51,14 @@ except ImportError:  # protobuf < 4.22
 
     _get_message_class = _MessageFactory().GetPrototype  # type: ignore[assignment]
 
-from tensorwire.transport.base import DeviceInfo, PeerInfo
+from tensorwire.transport.base import DeviceInfo, ObjectDescriptor, PeerInfo, TensorKind, TensorMeta
 
 __all__ = [
     "HolderOpKind",
     "ObjectState",
+    "decode_announcement",
     "decode_peer",
+    "encode_announcement",
     "encode_peer",
     "messages",
 ]
@@ -84,6 +92,12 @@ _SCHEMA: dict[str, list[tuple[str, str, bool]]] = {
     "ConnectReply": [("payload", "bytes", False)],
     "RendezvousRequest": [("group", "string", False), ("key", "string", False), ("value", "bytes", False)],
     "RendezvousReply": [],
+    "TensorMeta": [("shape", "int64", True), ("dtype", "string", False), ("device", "string", False),
+                   ("nbytes", "int64", False), ("offset", "int64", False), ("kind", "string", False),
+                   ("device_uuid", "string", False)],
+    "Handle": [("transport", "string", False), ("value", "bytes", False)],
+    "Announcement": [("object_id", "bytes", False), ("token", "bytes", False), ("owner", "Peer", False),
+                     ("metas", "TensorMeta", True), ("packed_nbytes", "int64", False), ("handles", "Handle", True)],
 }  # fmt: skip
 
 _PACKAGE = "tensorwire.control.v1"
@@ -164,3 +178,52 @@ def decode_peer(message: Any) -> PeerInfo:
         gpu_links=tuple((link.a, link.b, link.kind) for link in message.gpu_links),
         transport_info=tuple((t.name, t.info) for t in message.transport_info),
     )
+
+
+def encode_announcement(desc: ObjectDescriptor, handles: dict[str, bytes]) -> bytes:
+    """An object's descriptor and export handles as bytes (how collectives tell members
+    what to fetch: the capability token travels, as in a reference, but no pickle)."""
+    return messages["Announcement"](
+        object_id=desc.object_id,
+        token=desc.token,
+        owner=encode_peer(desc.owner),
+        metas=[
+            messages["TensorMeta"](
+                shape=list(m.shape),
+                dtype=m.dtype,
+                device=m.device,
+                nbytes=m.nbytes,
+                offset=m.offset,
+                kind=m.kind.value,
+                device_uuid=m.device_uuid,
+            )
+            for m in desc.metas
+        ],
+        packed_nbytes=desc.packed_nbytes,
+        handles=[messages["Handle"](transport=name, value=value) for name, value in handles.items()],
+    ).SerializeToString()
+
+
+def decode_announcement(data: bytes) -> tuple[ObjectDescriptor, dict[str, bytes]]:
+    """The descriptor and handles :func:`encode_announcement` wrote. Raises ``ValueError``
+    for bytes that are not such a message."""
+    message = messages["Announcement"]()
+    try:
+        message.ParseFromString(data)
+        metas = tuple(
+            TensorMeta(
+                shape=tuple(int(n) for n in m.shape),
+                dtype=m.dtype,
+                device=m.device,
+                nbytes=int(m.nbytes),
+                offset=int(m.offset),
+                kind=TensorKind(m.kind),
+                device_uuid=m.device_uuid,
+            )
+            for m in message.metas
+        )
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, or a bad enum value
+        raise ValueError(f"malformed announcement: {e}") from None
+    desc = ObjectDescriptor(message.object_id, message.token, decode_peer(message.owner), metas,
+                            int(message.packed_nbytes))  # fmt: skip
+    return desc, {h.transport: h.value for h in message.handles}

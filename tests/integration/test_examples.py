@@ -10,12 +10,12 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def run_example(name: str) -> str:
+def run_example(name: str, *args: str) -> str:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TENSORWIRE_HOST": "127.0.0.1"}
     for key in ("TENSORWIRE_NODE_ID", "TENSORWIRE_CLUSTER_TOKEN", "RAY_ADDRESS"):
         env.pop(key, None)
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name)],
+        [sys.executable, str(ROOT / "examples" / name), *args],
         capture_output=True,
         text=True,
         timeout=240,
@@ -35,3 +35,13 @@ def test_quickstart():
 def test_standalone():
     out = run_example("standalone.py")
     assert "via shm" in out and "sum matches" in out
+
+
+def test_rl_weight_sync_learns_and_syncs_every_iteration():
+    out = run_example("rl_weight_sync.py", "--iterations", "12", "--verify")
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 6]
+    assert [int(r[0]) for r in rows] == list(range(1, 13))
+    rewards = [float(r[1]) for r in rows]
+    assert sum(rewards[-3:]) > 2 * sum(rewards[:3]), rewards  # the policy learns
+    assert all(r[5] == "shm" for r in rows)  # read from the learner's staging slots
+    assert "hold weight version [13, 13]" in out  # the first push, then one per iteration

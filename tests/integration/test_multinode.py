@@ -96,3 +96,43 @@ def test_node_removed_turns_into_owner_died(cluster):
     for transport in transports:
         with pytest.raises((tw.OwnerDiedError, tw.PeerLostError)):
             tw.get(ref, transport=transport, timeout_s=20)
+
+
+def test_weight_sync_relays_through_one_leader_per_node(cluster):
+    from tests.collectives.actors import Holder
+
+    trainer = Holder.options(**on("node_a")).remote(200, 16 << 20, 3)
+    receivers = [
+        Holder.options(**on("node_b")).remote(200, 16 << 20, None),  # node b's leader: fetches across nodes
+        Holder.options(**on("node_b")).remote(200, 16 << 20, None),  # reads from the leader, same node
+        Holder.options(**on("node_a")).remote(200, 16 << 20, None),  # reads the trainer's segment
+    ]
+    pointers = ray.get([r.data_ptrs.remote() for r in receivers])
+    sync = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=2 << 20, verify=True)
+    report = sync.push()
+    assert report.ok, report.failed
+    expected = ray.get(trainer.digest.remote())
+    assert ray.get([r.digest.remote() for r in receivers]) == [expected] * 3
+    assert ray.get([r.data_ptrs.remote() for r in receivers]) == pointers
+    used = [set(report.receivers[i]["transports"]) for i in range(3)]
+    assert used == [{"ucx"}, {"shm"}, {"shm"}]
+    assert report.receivers[0]["peak_nbytes"] > 0  # the leader served its node-mate
+    sync.close()
+
+
+def test_tensorwire_group_broadcast_across_nodes(cluster):
+    from tests.collectives.actors import Member, member_input
+
+    actors = [
+        Member.options(**on("node_a")).remote(0),
+        Member.options(**on("node_b")).remote(1),
+        Member.options(**on("node_b")).remote(2),
+    ]
+    tw.collective.create_group(actors, backend="tensorwire", name="cross")
+    try:
+        results = ray.get([a.run.remote("cross", "broadcast", src=0) for a in actors], timeout=120)
+        assert all(torch.equal(r, member_input(0)) for r in results)
+        gathered = ray.get([a.run.remote("cross", "all_gather") for a in actors], timeout=120)
+        assert all(torch.equal(g[i], member_input(i)) for g in gathered for i in range(3))
+    finally:
+        tw.collective.destroy_group("cross")

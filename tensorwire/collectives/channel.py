@@ -1,0 +1,173 @@
+"""Members of a group of actors and the messages they send each other.
+
+A :class:`Channel` carries small messages between the members of one group over the
+agents' authenticated control service (``Rendezvous`` calls): each message is pushed into
+the receiver's table under a key and taken from there once. Tensors never travel here:
+a member *publishes* tensors as an object of its agent and sends the others an
+*announcement* (descriptor, capability token and export handles, protobuf-encoded; nothing
+is unpickled); they fetch it over the transport the selector picks for their pair (shm
+from one segment for every same-node member, cuda_ipc on one GPU, ucx/gloo across nodes).
+
+Every wait has a deadline and looks every quarter second whether the member it waits for
+still runs, so a dead member fails the wait in well under a second on one machine (by the
+deadline on another machine).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from tensorwire.errors import OwnerDiedError, PeerLostError, TransferTimeoutError
+from tensorwire.runtime.api import register_tensors, target_device
+from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.transport.base import ObjectDescriptor, PeerInfo
+from tensorwire.transport.wire import decode_announcement, decode_peer, encode_announcement, encode_peer, messages
+
+__all__ = ["Channel", "Fetched", "Member", "describe_self", "member_from"]
+
+_SLICE_S = 0.25
+
+
+class Fetched(NamedTuple):
+    """What :meth:`Channel.fetch` got: the tensors, the transport, and the time spent copying."""
+
+    tensors: list[torch.Tensor]
+    transport: str
+    copy_s: float
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of a group as the others know it."""
+
+    rank: int
+    peer: PeerInfo
+    cuda_devices: int
+
+    @property
+    def node_id(self) -> str:
+        return self.peer.node_id
+
+
+def describe_self(_actor: object) -> tuple[bytes, int]:
+    """Hook: this actor's agent (``Peer`` message bytes) and how many GPUs it sees."""
+    peer = runtime_agent().peer
+    return encode_peer(peer).SerializeToString(), torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def member_from(rank: int, description: tuple[bytes, int]) -> Member:
+    """The :class:`Member` that :func:`describe_self` described."""
+    message = messages["Peer"]()
+    message.ParseFromString(description[0])
+    return Member(rank, decode_peer(message), int(description[1]))
+
+
+class Channel:
+    """Messages between the members of one group, seen from member ``rank``."""
+
+    def __init__(self, name: str, rank: int, members: Sequence[Member], timeout_s: float) -> None:
+        self.name = name
+        self.rank = rank
+        self.members = tuple(members)
+        self.timeout_s = timeout_s
+        self._agent = runtime_agent()
+
+    def send(self, rank: int, key: str, value: bytes) -> None:
+        """Put ``value`` under ``key`` in member ``rank``'s table."""
+        self.post(rank, key, value)()
+
+    def post(self, rank: int, key: str, value: bytes) -> Callable[[], None]:
+        """Start :meth:`send`; the returned function waits for it (``PeerLostError`` if the
+        member is gone). Several posts travel at once."""
+        peer = self.members[rank].peer
+        # keys are per sender, so that several members may send one key to the same member
+        wait = self._agent.rendezvous_push_async(peer, self.name, f"{self.rank}:{key}", value, timeout_s=self.timeout_s)
+
+        def done() -> None:
+            try:
+                wait()
+            except (PeerLostError, OwnerDiedError, TransferTimeoutError) as e:
+                state = "exited" if not self.alive(rank) else "did not take a message"
+                raise PeerLostError(f"group {self.name}: member {rank} {state}: {e}") from None
+
+        return done
+
+    def recv(self, rank: int, key: str, timeout_s: float | None = None) -> bytes:
+        """Take the value member ``rank`` sent under ``key``, waiting for it.
+
+        Raises:
+            PeerLostError: Member ``rank`` exited before sending.
+            TransferTimeoutError: Nothing came before the deadline.
+        """
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self._agent.rendezvous_take(self.name, f"{rank}:{key}", timeout_s=max(0.0, min(_SLICE_S, left)))
+            except TransferTimeoutError:
+                if not self.alive(rank):
+                    raise PeerLostError(f"group {self.name}: member {rank} exited (waiting for {key!r})") from None
+                if time.monotonic() >= deadline:
+                    raise TransferTimeoutError(
+                        f"group {self.name}: member {rank} sent no {key!r} within the timeout"
+                    ) from None
+
+    def alive(self, rank: int) -> bool:
+        """False once member ``rank``'s process is known to have exited."""
+        return self._agent.peer_may_be_alive(self.members[rank].peer)
+
+    def publish(self, tensors: Sequence[torch.Tensor], *, export: bool = True) -> tuple[ObjectDescriptor, bytes, int]:
+        """Register ``tensors`` (contiguous) as an object of this member, to be read by others.
+
+        Returns its descriptor, the announcement to send, and the bytes copied for one-sided
+        exports. ``export``: make one-sided exports now (a shared-memory segment, for readers
+        on this node); without it readers that need one ask for it. Free with :meth:`unpublish`.
+        """
+        desc = register_tensors(list(tensors))
+        handles = self._agent.export_handles(desc) if export else {}
+        copied = desc.packed_nbytes if "shm" in handles else 0
+        return desc, encode_announcement(desc, handles), copied
+
+    def unpublish(self, desc: ObjectDescriptor) -> None:
+        self._agent.free(desc)
+
+    def fetch(
+        self,
+        announcement: bytes,
+        dst: Sequence[torch.Tensor | None],
+        *,
+        transport: str = "",
+        timeout_s: float | None = None,
+    ) -> Fetched:
+        """Fetch an announced object into ``dst`` (contiguous tensors, or None to allocate).
+
+        ``Fetched.tensors`` are ``dst``'s own where given; ``copy_s`` is the time spent
+        copying into ``dst`` after a transport could not write there directly.
+        """
+        desc, handles = decode_announcement(announcement)
+        if len(desc.metas) != len(dst):
+            raise ValueError(f"group {self.name}: announced {len(desc.metas)} tensors, expected {len(dst)}")
+        targets = [t.device if t is not None else target_device(m, None) for t, m in zip(dst, desc.metas, strict=True)]
+        tensors, record = self._agent.fetch(
+            desc,
+            handles,
+            dst=list(dst),
+            targets=targets,
+            transport=transport,
+            timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+        )
+        start = time.perf_counter()
+        for i, (arrived, wanted) in enumerate(zip(tensors, dst, strict=True)):
+            if wanted is not None and arrived is not wanted:
+                wanted.copy_(arrived)  # a transport that could not write there (e.g. host staging)
+                tensors[i] = wanted
+        return Fetched(tensors, record.transport, time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Drop messages not taken yet."""
+        self._agent.rendezvous_forget(self.name)

@@ -1,0 +1,137 @@
+"""Reusable shared-memory staging for weight sync on one node.
+
+Publishing each bucket as a new object costs a fresh shared-memory segment per bucket: the
+kernel allocates and zeroes its pages, and every reader maps and faults them in again
+(measured on the 2-core VM: 2.1 GB/s to fill a fresh segment vs 10 GB/s into a kept mapping;
+5.9 GB/s to map and copy out vs 11 GB/s from a kept mapping). So a weight-sync server (the
+trainer, or a node's leader) keeps a :class:`StagingRing` of two segments for the whole life of
+the sync: it packs bucket k into slot k % 2 while its same-node readers copy bucket k-1 out of
+the other slot into their parameters, through a :class:`RingReader` that keeps its mappings.
+
+A slot is rewritten only after every reader acknowledged the bucket it held (the sync's
+double buffering guarantees it). Segments are private to the user (mode 0600, names checked
+on open) and reserved when made, so a full ``/dev/shm`` is an error at creation, never a
+SIGBUS later. The ring and the readers' mappings are dropped by ``WeightSync.close()``;
+a killed server's segments are removed like any orphaned tensorwire segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tensorwire.transport.base import PeerInfo
+from tensorwire.transport.packing import byte_view, packed_layout
+from tensorwire.transport.shm import create_segment, open_segment
+
+__all__ = ["RingReader", "StagingRing"]
+
+
+def _as_bytes(array: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+    return array[offset : offset + nbytes]
+
+
+class StagingRing:
+    """Two (or more) shared-memory slots of ``slot_nbytes`` that a server packs buckets into."""
+
+    def __init__(self, peer: PeerInfo, slot_nbytes: int, slots: int = 2) -> None:
+        self.slot_nbytes = slot_nbytes
+        self.names: list[str] = []
+        self._paths: list[str] = []
+        self._maps: list[mmap.mmap] = []
+        self._arrays: list[np.ndarray] = []
+        try:
+            for _ in range(slots):
+                name, path, fd = create_segment(peer, slot_nbytes, reserve=True)
+                self.names.append(name)
+                self._paths.append(path)
+                try:
+                    mapping = mmap.mmap(fd, max(slot_nbytes, 1), flags=mmap.MAP_SHARED)
+                finally:
+                    os.close(fd)
+                self._maps.append(mapping)
+                self._arrays.append(np.frombuffer(mapping, dtype=np.uint8))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_nbytes * len(self.names)
+
+    def write(self, slot: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Pack host ``tensors`` into ``slot`` at their packed-layout offsets."""
+        offsets, total = packed_layout(t.numel() * t.element_size() for t in tensors)
+        if total > self.slot_nbytes:
+            raise ValueError(f"a bucket of {total} bytes does not fit a {self.slot_nbytes}-byte slot")
+        target = self._arrays[slot]
+        for tensor, offset in zip(tensors, offsets, strict=True):
+            source = byte_view(tensor if tensor.is_contiguous() else tensor.contiguous()).numpy()
+            np.copyto(_as_bytes(target, offset, source.size), source)
+
+    def close(self) -> None:
+        """Unlink the segments and drop this process's mappings (readers' stay valid)."""
+        self._arrays.clear()
+        for mapping in self._maps:
+            with contextlib.suppress(BufferError):
+                mapping.close()
+        self._maps.clear()
+        for path in self._paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._paths.clear()
+
+
+class RingReader:
+    """A reader's mappings of servers' slots, kept across buckets and pushes."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def _array(self, name: str, slot_nbytes: int) -> np.ndarray:
+        array = self._arrays.get(name)
+        if array is None:
+            fd = open_segment(name, slot_nbytes)
+            try:
+                mapping = mmap.mmap(fd, max(slot_nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            array = np.frombuffer(mapping, dtype=np.uint8)
+            self._maps[name], self._arrays[name] = mapping, array
+        return array
+
+    def read(self, name: str, slot_nbytes: int, dst: Sequence[torch.Tensor]) -> float:
+        """Copy the bucket in slot ``name`` into ``dst`` (host tensors, the server's layout).
+        Returns the seconds spent on non-contiguous targets (copied through a view)."""
+        source = self._array(name, slot_nbytes)
+        offsets, total = packed_layout(t.numel() * t.element_size() for t in dst)
+        if total > slot_nbytes:
+            raise ValueError(f"a bucket of {total} bytes does not fit a {slot_nbytes}-byte slot")
+        strided_s = 0.0
+        for tensor, offset in zip(dst, offsets, strict=True):
+            nbytes = tensor.numel() * tensor.element_size()
+            if tensor.is_contiguous():
+                np.copyto(byte_view(tensor).numpy(), _as_bytes(source, offset, nbytes))
+                continue
+            start = time.perf_counter()
+            with warnings.catch_warnings():  # a read-only mapping: only read here
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.from_numpy(_as_bytes(source, offset, nbytes))
+            tensor.copy_(flat.view(tensor.dtype).view(tensor.shape))
+            strided_s += time.perf_counter() - start
+        return strided_s
+
+    def close(self) -> None:
+        self._arrays.clear()
+        for mapping in self._maps.values():
+            with contextlib.suppress(BufferError):
+                mapping.close()
+        self._maps.clear()

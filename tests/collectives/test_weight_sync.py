@@ -1,0 +1,147 @@
+"""WeightSync: bit-exact, in place, bounded memory, versioned, verified; a receiver killed
+mid-sync; bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+import tensorwire as tw
+from tensorwire.collectives.weight_sync import bucket_plan, checksum
+from tensorwire.transport.shm import SHM_DIR, segment_prefix
+from tests.collectives.actors import Holder
+
+
+def shm_bytes() -> int:
+    """Bytes in this user's tensorwire segments right now."""
+    total = 0
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(segment_prefix()):
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(SHM_DIR, name)).st_size
+    return total
+
+
+class PeakSampler:
+    """Samples ``shm_bytes`` on a thread until stopped; ``peak`` above the level at start."""
+
+    def __init__(self) -> None:
+        self.base = shm_bytes()
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, shm_bytes() - self.base)
+            self.samples += 1
+            time.sleep(0.0005)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def test_bucket_plan_cuts_in_order_and_gives_big_tensors_their_own_bucket():
+    assert bucket_plan([4, 4, 4, 10, 1, 1], 8) == [[0, 1], [2], [3], [4, 5]]
+    assert bucket_plan([], 8) == []
+    with pytest.raises(ValueError, match="positive"):
+        bucket_plan([1], 0)
+
+
+def test_checksum_sees_a_flipped_bit_and_an_order_change():
+    a, b = torch.randn(1000), torch.arange(7, dtype=torch.uint8)  # 7 bytes: the byte-wise path
+    base = checksum([a, b])
+    flipped = a.clone()
+    flipped.view(torch.int32)[500] ^= 1
+    assert checksum([flipped, b]) != base
+    assert checksum([b, a]) != base
+    assert checksum([a.clone(), b.clone()]) == base
+
+
+def test_thousand_tensors_to_three_receivers_bit_exact_in_place_within_two_buckets(ray_local):
+    trainer = Holder.remote(1000, 64 << 20, seed=1)
+    receivers = [Holder.remote(1000, 64 << 20, seed=None) for _ in range(3)]
+    pointers = ray.get([r.data_ptrs.remote() for r in receivers])
+    bucket = 4 << 20
+    sync = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=bucket)
+    assert sync.versions() == [0, 0, 0]
+    sampler = PeakSampler()
+    report = sync.push()
+    peak = sampler.stop()
+    assert report.ok, report.failed
+    expected = ray.get(trainer.digest.remote())
+    assert ray.get([r.digest.remote() for r in receivers]) == [expected] * 3
+    assert ray.get([r.data_ptrs.remote() for r in receivers]) == pointers  # into the existing tensors
+    assert sync.versions() == [1, 1, 1]
+    sizes = ray.get(trainer.sizes.remote())
+    assert report.nbytes == sum(sizes) and report.buckets == len(bucket_plan(sizes, bucket)) == 17
+    assert all(r["transports"] == {"shm": 17} for r in report.receivers.values())
+    # extra memory: at most two buckets exist at once (measured in /dev/shm, and as reported)
+    assert sampler.samples > 10
+    assert 0 < peak <= 2 * bucket + 64 * 1024, peak
+    assert report.peak_staging_nbytes <= 2 * bucket + 64 * 1024
+    assert "weight sync v1" in str(report) and "pack" in str(report)
+
+    ray.get(trainer.step.remote(7))  # the trainer moves on; verified push of version 2
+    verified = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=bucket, verify=True)
+    verified.version = sync.version
+    report = verified.push()
+    assert report.ok and report.verify_s > 0
+    expected = ray.get(trainer.digest.remote())
+    assert ray.get([r.digest.remote() for r in receivers]) == [expected] * 3
+    assert verified.versions() == [2, 2, 2]
+    for s in (sync, verified):
+        s.close()
+    assert shm_bytes() == sampler.base  # the staging slots are gone
+
+
+def test_a_receiver_killed_mid_sync_does_not_stall_the_others(ray_local):
+    trainer = Holder.remote(64, 256 << 20, seed=2)
+    receivers = [Holder.remote(64, 256 << 20, seed=None) for _ in range(3)]
+    sync = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=8 << 20)
+    victim = ray.get(receivers[1].pid.remote())
+    base = shm_bytes()
+
+    def kill_when_sync_runs() -> None:
+        deadline = time.monotonic() + 60
+        while shm_bytes() <= base and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(victim, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_sync_runs)
+    killer.start()
+    report = sync.push()
+    killer.join()
+    assert list(report.failed) == [1] and "died" in report.failed[1]
+    expected = ray.get(trainer.digest.remote())
+    assert ray.get([receivers[0].digest.remote(), receivers[2].digest.remote()]) == [expected] * 2
+    assert sync.versions() == [1, -1, 1]
+    report = sync.push()  # the dead one is left out from now on
+    assert set(report.receivers) == {0, 2} and "left out" in report.failed[1]
+    sync.close()
+
+
+def test_mismatched_receivers_and_bad_arguments_are_refused(ray_local):
+    trainer = Holder.remote(4, 4096, seed=1)
+    other = Holder.remote(3, 4096, seed=None)
+    with pytest.raises(ray.exceptions.RayTaskError, match="missing"):
+        tw.WeightSync(trainer, [other], source="weights")
+    with pytest.raises(ray.exceptions.RayTaskError, match="no attribute 'model'"):
+        tw.WeightSync(trainer, [other])
+    with pytest.raises(ValueError, match="at least one receiver"):
+        tw.WeightSync(trainer, [], source="weights")
+    with pytest.raises(ValueError, match="appears twice"):
+        tw.WeightSync(trainer, [trainer], source="weights")
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        tw.WeightSync(trainer, [other], source="weights", bucket_bytes=0)
