@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything that needs an NVIDIA GPU, in one run of under 8 minutes on one GPU:
-# every test marked gpu / multi_gpu (tests/gpu, plus the GPU logic tests), then the GPU
-# transport benchmark (benchmarks/gpu.py). Writes device_report.md, pytest.log and bench.log
-# under $OUT (the device tool's output folder) or ./device_report/.
+# every test marked gpu / multi_gpu (tests/gpu, the collectives between plain processes, plus
+# the GPU logic tests), then the GPU transport benchmark (benchmarks/gpu.py) and the process
+# scenarios of `tensorwire bench` (the Ray ones need Ray, which the device machine lacks).
+# Writes device_report.md, pytest.log, bench.log and bench.json under $OUT (the device tool's
+# output folder) or ./device_report/.
 #
 # Wheels in .whl/ (ucxx and its libraries, for a machine without network) are installed into
 # /tmp/tw-site first. Run from anywhere: bash benchmarks/device_check.sh
@@ -28,13 +30,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     echo "- $("$py" -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda, "| GPUs", torch.cuda.device_count())' 2>&1 | tail -1)"
     echo "- ucxx: $("$py" -c 'import ucxx; print(ucxx.__version__)' 2>&1 | tail -1)"
     echo
-    echo "## Tests: tests/gpu (all marked gpu / multi_gpu) and tests/transport/test_gpu_logic.py"
+    echo "## Tests: tests/gpu (all marked gpu / multi_gpu), tests/collectives/test_standalone.py, tests/transport/test_gpu_logic.py"
     echo
 } > "$report"
 
 start=$(date +%s)
 timeout 240 "$py" -m pytest -o addopts="" -p no:cacheprovider -ra -v --timeout 120 \
-    tests/gpu tests/transport/test_gpu_logic.py > "$out/pytest.log" 2>&1
+    tests/gpu tests/collectives/test_standalone.py tests/transport/test_gpu_logic.py > "$out/pytest.log" 2>&1
 status=$?
 {
     echo "exit status $status after $(( $(date +%s) - start )) s; summary:"
@@ -52,6 +54,13 @@ timeout 150 "$py" -m benchmarks.gpu >> "$report" 2> "$out/bench.log"
 echo "(benchmark exit status $? after $(( $(date +%s) - start )) s)" >> "$report"
 
 {
+    echo
+    echo "## tensorwire bench (process scenarios)"
+    echo
+    echo '```'
+    timeout 120 "$py" -m tensorwire bench --scenarios p2p-processes,concurrent -b 1M -e 256M -f 16 -n 10 --check \
+        --json "$out/bench.json" 2>&1 | tail -40
+    echo '```'
     echo
     echo "## tensorwire topo and doctor"
     echo

@@ -182,24 +182,72 @@ def _ucx_report(agent: Any) -> list[tuple[str, str, str]]:
     return [("UCX transports", "ok", line)]
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if not args.calibrate:
-        print(
-            "tensorwire bench: only --calibrate is built so far; the comparisons live in benchmarks/ "
-            "(python -m benchmarks.two_sided, python -m benchmarks.ray_compare, bash benchmarks/device_check.sh)",
-            file=sys.stderr,
-        )
+def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.calibrate:
+        return _calibrate(args)
+    from tensorwire.bench.runner import SCENARIOS, Options, main
+    from tensorwire.bench.stats import sizes
+
+    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()] if args.transports else None
+    problems = []
+    if unknown:
+        problems.append(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
+    if args.iters < 1 or args.warmup_iters < 0 or args.peers < 1:
+        problems.append("-n must be at least 1, -w at least 0 and --peers at least 1")
+    try:
+        series = sizes(args.min_bytes, args.max_bytes or 16 << 20, args.factor)
+    except ValueError as e:
+        problems.append(str(e))
+        series = []
+    if len(series) > 64:
+        problems.append(f"{len(series)} sizes: raise -f or narrow -b/-e")
+    if transports is not None:
+        from tensorwire.transport import registry
+
+        for name in transports:
+            if name != "auto":
+                try:
+                    registry.get_transport_class(name)
+                except Exception as e:  # noqa: BLE001 - reported as a usage error
+                    problems.append(str(e))
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            problems.append("--plot needs matplotlib: pip install 'tensorwire[plot]'")
+    if problems:
+        for problem in problems:
+            print(f"tensorwire bench: {problem}", file=sys.stderr)
         return 2
-    if args.max_bytes < 1 << 20 or args.iters < 1:
+    options = Options(
+        min_bytes=args.min_bytes,
+        max_bytes=series[-1],
+        factor=args.factor,
+        iterations=args.iters,
+        warmups=args.warmup_iters,
+        transports=transports,
+        peers=args.peers,
+        check=args.check,
+        scenarios=scenarios,
+        progress=sys.stderr.isatty() if args.progress is None else args.progress,
+        sizes=series,
+    )
+    return main(options, ["tensorwire", *argv], json_path=args.json or "", plot_path=args.plot or "")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    max_bytes = args.max_bytes or 64 << 20
+    iters = args.iters if args.iters_given else 5
+    if max_bytes < 1 << 20 or iters < 1:
         print("tensorwire bench: --max-bytes must be at least 1 MiB and --iters at least 1", file=sys.stderr)
         return 2
     from tensorwire.calibrate import calibrate
     from tensorwire.transport.calibration import costs_path, save_costs
 
-    print(
-        f"calibrating with {args.max_bytes} B values, {args.iters} repeats (small values: just past the inline limit):"
-    )
-    costs, notes = calibrate(args.max_bytes, args.iters)
+    print(f"calibrating with {max_bytes} B values, {iters} repeats (small values: just past the inline limit):")
+    costs, notes = calibrate(max_bytes, iters)
     for note in notes:
         print(f"  skipped {note}")
     if not costs:
@@ -208,6 +256,46 @@ def _bench(args: argparse.Namespace) -> int:
     path = save_costs(costs, args.output or costs_path())
     print(f"wrote {path}: agents started from now on rank transports by it")
     return 0
+
+
+class _Given(argparse.Action):
+    """Store the value and remember that it was given (defaults differ between modes)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
+def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    from tensorwire.bench.runner import SCENARIOS
+    from tensorwire.bench.stats import parse_size
+
+    bench.add_argument("-b", "--min-bytes", type=parse_size, default=4 << 10, help="smallest size (default 4K)")
+    bench.add_argument(
+        "-e", "--max-bytes", type=parse_size, default=None,
+        help="largest size (default 16M; with --calibrate the bandwidth size, default 64M)",
+    )  # fmt: skip
+    bench.add_argument("-f", "--factor", type=float, default=16.0, help="size multiplication factor (default 16)")
+    bench.add_argument(
+        "-n", "--iters", type=int, default=20, action=_Given,
+        help="timed iterations per size (default 20; with --calibrate repeats, default 5)",
+    )  # fmt: skip
+    bench.add_argument("-w", "--warmup-iters", type=int, default=3, help="untimed iterations first (default 3)")
+    bench.add_argument("--transports", default="", help="comma-separated transports to force (default: every usable)")
+    bench.add_argument("--peers", type=int, default=2, help="receivers in concurrent and one-to-n (default 2)")
+    bench.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from: {', '.join(SCENARIOS)} (default all)"
+    )
+    bench.add_argument("--check", action="store_true", help="verify every byte that arrived (#wrong column)")
+    bench.add_argument("--json", default="", help="write the results here (schema tensorwire-bench v1)")
+    bench.add_argument("--plot", default="", help="write a PNG of GB/s against size here (needs matplotlib)")
+    bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="progress bar on stderr (default: when stderr is a terminal)")  # fmt: skip
+    bench.add_argument(
+        "--calibrate", action="store_true", help="measure every transport and write this machine's cost table"
+    )
+    bench.add_argument("--output", default="", help="--calibrate: where to write the table (default: this machine's)")
+    bench.set_defaults(iters_given=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,19 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     doctor = commands.add_parser("doctor", help="check every transport with a real transfer; say what to fix")
     doctor.add_argument("--json", action="store_true", help="print JSON")
     bench = commands.add_parser(
-        "bench", help="transport benchmarks; --calibrate measures this machine for the selector"
+        "bench",
+        help="transports against the alternatives, same run (nccl-tests style flags); --calibrate for the selector",
     )
-    bench.add_argument(
-        "--calibrate", action="store_true", help="measure every transport and write this machine's cost table"
-    )
-    bench.add_argument(
-        "-e", "--max-bytes", type=int, default=64 << 20, help="large size for bandwidth (default 64 MiB)"
-    )
-    bench.add_argument("-n", "--iters", type=int, default=5, help="timed repeats of the large size (default 5)")
-    bench.add_argument("--output", default="", help="where to write the table (default: this machine's cost file)")
+    _add_bench_arguments(bench)
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return _bench(args)
+        return _bench(args, list(argv if argv is not None else sys.argv[1:])[1:])
     if args.command == "doctor":
         results = _doctor()
         if args.json:

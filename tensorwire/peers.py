@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["OTHER_NODE", "SAME_NODE", "ask", "digest_of_fetch", "median_fetch_seconds", "peers"]
+__all__ = ["OTHER_NODE", "SAME_NODE", "ask", "digest_of_fetch", "median_fetch_seconds", "peers", "spawn"]
 
 SAME_NODE = "same node"
 OTHER_NODE = "other node"
@@ -65,19 +65,30 @@ def ask(conn: Any, message: tuple[Any, ...], timeout_s: float) -> tuple[str, Any
 
 
 @contextlib.contextmanager
-def peers(task: Callable[..., Any], node_id: str, suffix: str) -> Iterator[dict[str, Any]]:
-    """Two peer processes running ``task`` (a module-level function): {where: connection}."""
+def spawn(task: Callable[..., Any], envs: dict[str, dict[str, str]]) -> Iterator[dict[str, Any]]:
+    """One peer process per entry of ``envs`` (its extra environment), each running ``task``
+    (a module-level function) on what it is sent: {name: connection}."""
     ctx = mp.get_context("spawn")
     started = {}
-    for where, env in ((SAME_NODE, {}), (OTHER_NODE, {"TENSORWIRE_NODE_ID": f"{node_id}/{suffix}"})):
-        parent, child = ctx.Pipe()
-        process = ctx.Process(target=_serve, args=(child, env, task), daemon=True)
-        process.start()
-        started[where] = (parent, process)
     try:
-        yield {where: conn for where, (conn, _) in started.items()}
+        for name, env in envs.items():
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=_serve, args=(child, env, task), daemon=True)
+            process.start()
+            started[name] = (parent, process)
+        yield {name: conn for name, (conn, _) in started.items()}
     finally:
-        for conn, process in started.values():
+        for conn, _process in started.values():
             with contextlib.suppress(OSError):
                 conn.send(None)
+        for _conn, process in started.values():
             process.join(10)
+            if process.is_alive():
+                process.kill()
+
+
+@contextlib.contextmanager
+def peers(task: Callable[..., Any], node_id: str, suffix: str) -> Iterator[dict[str, Any]]:
+    """Two peer processes running ``task``, one on this node and one claiming another node."""
+    with spawn(task, {SAME_NODE: {}, OTHER_NODE: {"TENSORWIRE_NODE_ID": f"{node_id}/{suffix}"}}) as connections:
+        yield connections

@@ -142,18 +142,45 @@ def _check_out(buffer: Any, meta: TensorMeta, index: int) -> torch.Tensor:
     return tensor
 
 
-def _place(skeleton: Any, tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], device: Any, out: Any) -> Any:
-    """The value with fetched ``tensors`` copied into ``out`` or moved to their device."""
+def _matched_out(
+    skeleton: Any, out: Any, metas: tuple[TensorMeta, ...]
+) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
+    """``out``'s buffers by tensor index, as given and as checked torch tensors."""
     outs = values.match_out(skeleton, out) if out is not None else {}
+    return outs, {i: _check_out(buffer, metas[i], i) for i, buffer in outs.items()}
+
+
+def _targets(metas: tuple[TensorMeta, ...], device: Any) -> list[torch.device]:
+    """``target_device`` of every tensor, worked out once per distinct placement."""
+    known: dict[tuple[str, str], torch.device] = {}
+    result = []
+    for meta in metas:
+        key = (meta.device, meta.device_uuid)
+        if key not in known:
+            known[key] = target_device(meta, device)
+        result.append(known[key])
+    return result
+
+
+def _place(
+    skeleton: Any,
+    tensors: list[torch.Tensor],
+    metas: tuple[TensorMeta, ...],
+    targets: list[torch.device],
+    out: tuple[dict[int, Any], dict[int, torch.Tensor]],
+) -> Any:
+    """The value with fetched ``tensors`` copied into the ``out`` buffers (as given, and as
+    checked tensors: :func:`_matched_out`) or moved to their targets."""
+    outs, checked = out
     leaves: list[Any] = []
     for i, (tensor, meta) in enumerate(zip(tensors, metas, strict=True)):
         if i in outs:
-            buffer = _check_out(outs[i], meta, i)
+            buffer = checked[i]
             if buffer is not tensor:
                 buffer.copy_(tensor)
             leaves.append(outs[i])
             continue
-        target = target_device(meta, device)
+        target = targets[i]
         placed = tensor if tensor.device == target else tensor.to(target)
         leaves.append(_as_kind(placed, meta.kind))
     return values.unflatten(skeleton, leaves)
@@ -182,7 +209,7 @@ def _get_staged(ref: Ref, device: Any, out: Any, timeout_s: float | None) -> Any
         TensorMeta(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), 0, 0, kind)
         for t, kind in zip(tensors, kinds, strict=True)
     )
-    return _place(skeleton, tensors, metas, device, out)
+    return _place(skeleton, tensors, metas, _targets(metas, device), _matched_out(skeleton, out, metas))
 
 
 def _get_one(
@@ -205,8 +232,7 @@ def _get_one(
     agent = runtime_agent()
     desc = state.desc
     skeleton = ref._load_skeleton()
-    outs = values.match_out(skeleton, out) if out is not None else {}
-    out_tensors = {i: _check_out(buffer, desc.metas[i], i) for i, buffer in outs.items()}
+    outs, out_tensors = _matched_out(skeleton, out, desc.metas)
     same_process = desc.owner.agent_id == agent.peer.agent_id
     dst: list[torch.Tensor | None] | None = None
     if out_tensors or not (view or same_process):
@@ -215,7 +241,7 @@ def _get_one(
             buffer = out_tensors.get(i)
             usable = buffer is not None and buffer.device.type in ("cpu", "cuda") and buffer.is_contiguous()
             dst.append(buffer if usable else None)
-    targets = [target_device(meta, device) for meta in desc.metas]
+    targets = _targets(desc.metas, device)
     tensors, _record = agent.fetch(
         desc,
         state.handles,
@@ -225,7 +251,7 @@ def _get_one(
         view=dst is None,
         timeout_s=timeout_s,
     )
-    return _place(skeleton, tensors, desc.metas, device, out)
+    return _place(skeleton, tensors, desc.metas, targets, (outs, out_tensors))
 
 
 def get(

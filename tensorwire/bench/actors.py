@@ -1,0 +1,198 @@
+"""The Ray scenarios of the benchmark: actor to actor, and one actor to N.
+
+Every method moves the same value between the same kind of actors, and the receiving actor
+copies it into buffers it keeps (what loading weights does), so the rows compare like with
+like. A round is timed from the caller: start the producer's call, hand its result to the
+consumer(s), wait for them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+import torch
+
+import tensorwire as tw
+from tensorwire.bench import ops
+
+__all__ = ["run"]
+
+_ZERO_COPY = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
+
+
+class _Node:
+    """Producer and consumer at once: ``value`` to send, ``buffers`` it copies into."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def set(self, nbytes: int, tensors: int) -> None:
+        value = ops.make_value(nbytes, tensors)
+        values = value if isinstance(value, list) else [value]
+        self.value = {f"t{i}": t for i, t in enumerate(values)}
+        self.buffers = {name: torch.zeros_like(t) for name, t in self.value.items()}
+
+    def take(self, value: dict[str, torch.Tensor]) -> int:
+        for name, buffer in self.buffers.items():
+            buffer.copy_(value[name])
+        return len(value)
+
+    def clear(self) -> None:
+        for buffer in self.buffers.values():
+            buffer.zero_()
+
+    def verify(self, nbytes: int, tensors: int) -> bool:
+        values = list(self.buffers.values())
+        return ops.matches(values[0] if tensors == 1 else values, nbytes, tensors)
+
+    # one-to-N baselines
+    def put_state(self) -> list:
+        return [ray.put(self.value)]
+
+    def load_from_store(self, boxed: list) -> int:
+        return self.take(ray.get(boxed[0]))
+
+    receives = True  # False in the one that broadcasts
+
+    def be_source(self) -> None:
+        self.receives = False
+
+    def broadcast_all(self, group: str) -> int:
+        tensors = self.buffers if self.receives else self.value
+        g = tw.collective.get_group(group)
+        for tensor in tensors.values():
+            g.broadcast(tensor, 0)
+        return len(tensors)
+
+
+@tw.remote(num_cpus=0)
+class TwNode(_Node):
+    @tw.method
+    def value_ref(self) -> dict[str, torch.Tensor]:
+        return self.value
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class RayNode(_Node):
+    def value_plain(self) -> dict[str, torch.Tensor]:
+        return self.value
+
+    @ray.method(tensor_transport="gloo")
+    def value_rdt(self) -> dict[str, torch.Tensor]:
+        return self.value
+
+
+def _timed(fn: Any, check: Any, options: Any) -> dict:
+    """Run ``fn`` warm-up + iteration times; ``check()`` after each timed one if asked."""
+    for _ in range(options.warmups):
+        fn()
+    times, wrong = [], 0
+    for _ in range(options.iterations):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if options.check and not check():
+            wrong += 1
+    return {"times": times, "wrong": wrong if options.check else -1}
+
+
+def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
+    from tensorwire.bench.runner import make_row
+
+    started_ray = not ray.is_initialized()
+    tw.init(include_dashboard=False, num_cpus=max(4, options.peers + 2))
+    rows = []
+    try:
+        if "p2p-actors" in options.scenarios:
+            rows += _p2p(options, progress, notes, make_row)
+        if "one-to-n" in options.scenarios:
+            rows += _one_to_n(options, progress, notes, make_row)
+    finally:
+        if started_ray:
+            ray.shutdown()
+    return rows
+
+
+def _p2p(options: Any, progress: Any, notes: list[str], make_row: Any) -> list[Any]:
+    from ray.experimental.collective import create_collective_group
+
+    tw_src, tw_dst = TwNode.remote(), TwNode.remote()
+    ray_src, ray_dst = RayNode.remote(), RayNode.remote()
+    zc_src, zc_dst = RayNode.options(runtime_env=_ZERO_COPY).remote(), RayNode.options(runtime_env=_ZERO_COPY).remote()
+    rdt = True
+    try:
+        create_collective_group([ray_src, ray_dst], backend="torch_gloo")
+    except Exception as e:  # noqa: BLE001 - reported, the rest still runs
+        rdt = False
+        notes.append(f"Ray direct transport: could not make its gloo group ({e})")
+    rows = []
+    for nbytes in options.sizes:
+        nodes = [tw_src, tw_dst, ray_src, ray_dst, zc_src, zc_dst]
+        ray.get([n.set.remote(nbytes, 1) for n in nodes])
+        plans = {
+            "tensorwire (@tw.method ref)": (
+                lambda: ray.get(tw_dst.take.remote(tw_src.value_ref.remote())), tw_dst, False),
+            "Ray object store": (lambda: ray.get(ray_dst.take.remote(ray_src.value_plain.remote())), ray_dst, True),
+            "Ray object store, zero-copy torch": (
+                lambda: ray.get(zc_dst.take.remote(zc_src.value_plain.remote())), zc_dst, True),
+        }  # fmt: skip
+        if rdt:
+            plans["Ray RDT (gloo)"] = (lambda: ray.get(ray_dst.take.remote(ray_src.value_rdt.remote())), ray_dst, True)
+        for method, (fn, consumer, baseline) in plans.items():
+            result = _timed(fn, lambda c=consumer, size=nbytes: ray.get(c.verify.remote(size, 1)), options)
+            rows.append(make_row("p2p-actors", method, result, baseline=baseline, nbytes=nbytes,
+                                 transport="" if baseline else "auto",
+                                 reason="actor -> actor, the consumer copies it in"))  # fmt: skip
+            progress.step(f"actors {method} {nbytes}")
+    return rows
+
+
+def _one_to_n(options: Any, progress: Any, notes: list[str], make_row: Any) -> list[Any]:
+    n = max(1, options.peers)
+    source = TwNode.remote()
+    receivers = [TwNode.remote() for _ in range(n)]
+    everyone = [source, *receivers]
+    ray.get(source.be_source.remote())
+    tw.collective.create_group(everyone, backend="gloo", name="tw-bench")
+    rows = []
+    try:
+        for nbytes in options.sizes:
+            tensors = 8 if nbytes >= 8 * 4096 else 1
+            ray.get([a.set.remote(nbytes, tensors) for a in everyone])
+            sync = tw.WeightSync(source, receivers, source="value", target="buffers", progress=False)
+
+            def verify_all(tensors: int = tensors, nbytes: int = nbytes) -> bool:
+                return all(ray.get([r.verify.remote(nbytes, tensors) for r in receivers]))
+
+            def clear() -> None:
+                ray.get([r.clear.remote() for r in receivers])
+
+            def store() -> None:
+                boxed = ray.get(source.put_state.remote())
+                ray.get([r.load_from_store.remote(boxed) for r in receivers])
+
+            plans = {
+                "tensorwire WeightSync": (lambda s=sync: _ok(s.push()), False),
+                "Ray object store (put once, N gets)": (store, True),
+                "torch.distributed gloo broadcast": (
+                    lambda: ray.get([a.broadcast_all.remote("tw-bench") for a in everyone]), True),
+            }  # fmt: skip
+            for method, (fn, baseline) in plans.items():
+                clear()
+                result = _timed(fn, verify_all, options)
+                rows.append(make_row("one-to-n", method, result, baseline=baseline, nbytes=nbytes, tensors=tensors,
+                                     peers=n, operation="one_to_n", transport="" if baseline else "auto",
+                                     reason=f"1 -> {n} actors, into their tensors"))  # fmt: skip
+                progress.step(f"one-to-n {method} {nbytes}")
+            sync.close()
+    finally:
+        tw.collective.destroy_group("tw-bench")
+    return rows
+
+
+def _ok(report: Any) -> None:
+    if not report.ok:
+        raise RuntimeError(f"weight sync failed: {report.failed}")

@@ -1,0 +1,154 @@
+"""``tensorwire bench``: its statistics, its JSON schema, and smoke runs with tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tensorwire.bench.runner import _compare, format_table, make_row
+from tensorwire.bench.schema import SCHEMA_VERSION, Row, document, validate
+from tensorwire.bench.stats import bus_bandwidth, fit_latency_bandwidth, gbps, parse_size, percentile, sizes, summarize
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])
+def test_percentile_matches_numpy(q):
+    samples = list(np.random.default_rng(q).exponential(size=37))
+    assert percentile(samples, q) == pytest.approx(np.percentile(samples, q))
+
+
+def test_percentile_refuses_nonsense():
+    with pytest.raises(ValueError, match="no samples"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match="between 0 and 100"):
+        percentile([1.0], 101)
+
+
+def test_summary_and_bandwidths():
+    summary = summarize([4.0, 1.0, 3.0, 2.0])
+    assert (summary.p50, summary.mean, summary.count) == (2.5, 2.5, 4)
+    assert summary.p99 == pytest.approx(3.97)
+    assert gbps(2_000_000_000, 2.0) == 1.0
+    assert math.isinf(gbps(1, 0.0))
+    # nccl-tests' bus bandwidth factors
+    assert bus_bandwidth("all_reduce", 10.0, 4) == pytest.approx(15.0)
+    assert bus_bandwidth("all_gather", 10.0, 4) == pytest.approx(7.5)
+    assert bus_bandwidth("reduce_scatter", 10.0, 8) == pytest.approx(8.75)
+    assert bus_bandwidth("broadcast", 10.0, 8) == 10.0
+    assert bus_bandwidth("p2p", 3.0, 2) == 3.0
+    assert bus_bandwidth("one_to_n", 2.0, 4) == 6.0  # 3 receivers each got the value
+    with pytest.raises(ValueError, match="unknown operation"):
+        bus_bandwidth("scatter", 1.0, 2)
+
+
+def test_fit_separates_fixed_cost_from_bandwidth():
+    sizes_ = [1 << 12, 1 << 16, 1 << 20, 1 << 24]
+    seconds = [50e-6 + n / 4e9 for n in sizes_]  # 50 us + 4 GB/s
+    latency, bandwidth = fit_latency_bandwidth(sizes_, seconds)
+    assert latency == pytest.approx(50e-6)
+    assert bandwidth == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="two or more distinct sizes"):
+        fit_latency_bandwidth([4, 4], [1.0, 2.0])
+
+
+def test_sizes_and_their_spelling():
+    assert parse_size("4K") == 4096 and parse_size("64M") == 64 << 20 and parse_size("1g") == 1 << 30
+    assert parse_size("1000") == 1000 and parse_size("2KB") == 2048
+    for bad in ("", "x", "0", "1.5")[1:]:
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert sizes(4096, 1 << 20, 16) == [4096, 65536, 1 << 20]
+    assert sizes(1000, 5000, 2) == [1000, 2000, 4000, 5000]
+    assert sizes(64, 64, 2) == [64]
+    with pytest.raises(ValueError, match="factor"):
+        sizes(1, 8, 1)
+
+
+def _rows() -> list[Row]:
+    def row(method: str, baseline: bool, seconds: float) -> Row:
+        return make_row(
+            "p2p-processes", method, {"times": [seconds] * 3, "wrong": 0}, baseline=baseline, nbytes=1 << 20
+        )
+
+    return [row("memcpy (one thread)", True, 1e-4), row("tensorwire shm", False, 2e-4),
+            row("bare gloo", True, 4e-4), row("bare ucxx", True, 8e-4)]  # fmt: skip
+
+
+def test_rows_are_compared_with_the_best_alternative_and_with_memcpy():
+    rows = _rows()
+    _compare(rows)
+    ours = rows[1]
+    assert ours.vs_best_baseline == pytest.approx(2.0)  # bare gloo (memcpy is the bound, not an alternative)
+    assert ours.vs_memcpy == pytest.approx(0.5)
+    assert ours.gbps == pytest.approx((1 << 20) / 2e-4 / 1e9)
+    assert all(r.vs_best_baseline is None for r in rows if r.baseline)
+    table = format_table(rows, []).splitlines()
+    assert "GB/s" in table[1] and "us" in table[1]  # the units row
+    assert "2.00" in table[3]
+
+
+def test_document_follows_its_schema_and_the_check_finds_breakage():
+    doc = json.loads(json.dumps(document(["tensorwire", "bench"], _rows(), [])))
+    assert validate(doc) == []
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["versions"]["torch"] and doc["machine"]["cores"]
+    broken = json.loads(json.dumps(doc))
+    broken["schema_version"] = 99
+    del broken["rows"][0]["p50_us"]
+    broken["rows"][1]["wrong"] = "none"
+    broken["rows"][2]["p99_us"] = 0.0
+    problems = validate(broken)
+    assert any("schema_version" in p for p in problems)
+    assert any("row 0 lacks" in p for p in problems)
+    assert any("row 1: wrong" in p for p in problems)
+    assert any("row 2: p99 below p50" in p for p in problems)
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TENSORWIRE_HOST": "127.0.0.1"}
+    for key in ("TENSORWIRE_NODE_ID", "TENSORWIRE_CLUSTER_TOKEN", "RAY_ADDRESS"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "tensorwire", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT, check=False)  # fmt: skip
+
+
+def test_bench_smoke_every_scenario_tiny_sizes_checked(tmp_path):
+    out = tmp_path / "bench.json"
+    done = run_cli("-b", "4K", "-e", "64K", "-n", "2", "-w", "0", "--check", "--peers", "2", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(out.read_text())
+    assert validate(doc) == []
+    rows = doc["rows"]
+    assert {r["scenario"] for r in rows} == {"p2p-processes", "many-tensors", "concurrent", "p2p-actors", "one-to-n"}
+    assert all(r["wrong"] == 0 for r in rows)  # every byte checked, none wrong
+    methods = {r["method"] for r in rows}
+    for baseline in (
+        "memcpy (one thread)",
+        "bare torch.distributed gloo",
+        "bare ucxx",
+        "Ray object store",
+        "Ray object store, zero-copy torch",
+        "Ray RDT (gloo)",
+        "torch.distributed gloo broadcast",
+    ):
+        assert baseline in methods
+    assert {r["tensors"] for r in rows if r["scenario"] == "many-tensors"} == {1, 16, 256, 1024}
+    ours = [r for r in rows if r["method"] == "tensorwire auto (same node)" and r["scenario"] == "p2p-processes"]
+    assert [r["nbytes"] for r in ours] == [4096, 65536] and all(r["vs_best_baseline"] > 0 for r in ours)
+    assert "p50" in done.stdout.splitlines()[0] and "GB/s" in done.stdout.splitlines()[1]  # header, units
+
+
+def test_bench_usage_errors_exit_2():
+    done = run_cli("--scenarios", "p2p-processes,warp-drive", timeout=60)
+    assert done.returncode == 2 and "unknown scenario" in done.stderr
+    done = run_cli("-b", "1M", "-e", "4K", timeout=60)
+    assert done.returncode == 2 and "min <= max" in done.stderr
+    done = run_cli("--transports", "shmm", timeout=60)
+    assert done.returncode == 2 and "shm" in done.stderr  # did you mean
