@@ -8,6 +8,7 @@ consumer(s), wait for them.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -29,10 +30,10 @@ class _Node:
         self.value: Any = None
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def set(self, nbytes: int, tensors: int) -> None:
+    def set(self, nbytes: int, tensors: int, device: str = "cpu") -> None:
         value = ops.make_value(nbytes, tensors)
         values = value if isinstance(value, list) else [value]
-        self.value = {f"t{i}": t for i, t in enumerate(values)}
+        self.value = {f"t{i}": t.to(device) for i, t in enumerate(values)}
         self.buffers = {name: torch.zeros_like(t) for name, t in self.value.items()}
 
     def take(self, value: dict[str, torch.Tensor]) -> int:
@@ -84,6 +85,24 @@ class RayNode(_Node):
     def value_rdt(self) -> dict[str, torch.Tensor]:
         return self.value
 
+    # GPU variants (unverified: written for machines with GPUs and Ray; none was available)
+    @ray.method(tensor_transport="nccl")
+    def value_rdt_nccl(self) -> dict[str, torch.Tensor]:
+        return self.value
+
+    @ray.method(tensor_transport="cuda_ipc")
+    def value_rdt_cuda_ipc(self) -> dict[str, torch.Tensor]:
+        return self.value
+
+    @ray.method(tensor_transport="nixl")
+    def value_rdt_nixl(self) -> dict[str, torch.Tensor]:
+        return self.value
+
+
+def _hand_over(source: Any, consumer: Any, method: str) -> None:
+    """One round: call ``source.method``, pass its result to ``consumer.take``, wait."""
+    ray.get(consumer.take.remote(getattr(source, method).remote()))
+
 
 def _timed(fn: Any, check: Any, options: Any) -> dict:
     """Run ``fn`` warm-up + iteration times; ``check()`` after each timed one if asked."""
@@ -108,6 +127,7 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     try:
         if "p2p-actors" in options.scenarios:
             rows += _p2p(options, progress, notes, make_row)
+            rows += _p2p_gpu(options, progress, notes, make_row)
         if "one-to-n" in options.scenarios:
             rows += _one_to_n(options, progress, notes, make_row)
     finally:
@@ -147,6 +167,56 @@ def _p2p(options: Any, progress: Any, notes: list[str], make_row: Any) -> list[A
                                  transport="" if baseline else "auto",
                                  reason="actor -> actor, the consumer copies it in"))  # fmt: skip
             progress.step(f"actors {method} {nbytes}")
+    return rows
+
+
+def _gpu_plans(notes: list[str]) -> list[tuple[str, str, float, str]]:
+    """(RDT transport, its method, GPUs per actor, collective backend or "") that fit here."""
+    import importlib.util
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus < 1:
+        notes.append("GPU actor baselines (Ray RDT over nccl / cuda_ipc / nixl): no GPU in the Ray cluster")
+        return []
+    plans = [("cuda_ipc", "value_rdt_cuda_ipc", 0.5, "")]
+    if gpus >= 2:
+        plans.append(("nccl", "value_rdt_nccl", 1.0, "nccl"))
+        if importlib.util.find_spec("nixl") is not None:
+            plans.append(("nixl", "value_rdt_nixl", 1.0, ""))
+        else:
+            notes.append("Ray RDT over nixl: the nixl package is not installed")
+    else:
+        notes.append("Ray RDT over nccl / nixl: needs two GPUs")
+    return plans
+
+
+def _p2p_gpu(options: Any, progress: Any, notes: list[str], make_row: Any) -> list[Any]:
+    """GPU tensors actor to actor: tensorwire against Ray's direct transport over each GPU
+    transport that fits the cluster. Unverified: no GPU machine with Ray was available."""
+    from ray.experimental.collective import create_collective_group
+
+    rows = []
+    for rdt, method_name, gpus, backend in _gpu_plans(notes):
+        tw_src, tw_dst = TwNode.options(num_gpus=gpus).remote(), TwNode.options(num_gpus=gpus).remote()
+        ray_src, ray_dst = RayNode.options(num_gpus=gpus).remote(), RayNode.options(num_gpus=gpus).remote()
+        if backend:
+            create_collective_group([ray_src, ray_dst], backend=backend)
+        for nbytes in options.sizes:
+            ray.get([n.set.remote(nbytes, 1, "cuda") for n in (tw_src, tw_dst, ray_src, ray_dst)])
+            plans = {
+                f"tensorwire GPU ({rdt} placement)": (functools.partial(_hand_over, tw_src, tw_dst, "value_ref"),
+                                                      tw_dst, False),
+                f"Ray RDT ({rdt})": (functools.partial(_hand_over, ray_src, ray_dst, method_name), ray_dst, True),
+            }  # fmt: skip
+            for method, (fn, consumer, baseline) in plans.items():
+                result = _timed(fn, lambda c=consumer, size=nbytes: ray.get(c.verify.remote(size, 1)), options)
+                rows.append(make_row(f"p2p-actors-gpu-{rdt}", method, result, baseline=baseline, nbytes=nbytes,
+                                     transport="" if baseline else "auto",
+                                     reason="GPU actor -> GPU actor, unverified path"))  # fmt: skip
+        for actor in (tw_src, tw_dst):
+            ray.kill(actor.ray_handle)
+        for actor in (ray_src, ray_dst):
+            ray.kill(actor)
     return rows
 
 

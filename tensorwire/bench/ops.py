@@ -37,8 +37,16 @@ def make_value(nbytes: int, tensors: int) -> torch.Tensor | list[torch.Tensor]:
     return [pattern(per, seed=i) for i in range(tensors)]
 
 
+_expected: dict[tuple[int, int], Any] = {}
+
+
 def matches(value: Any, nbytes: int, tensors: int) -> bool:
-    expected = make_value(nbytes, tensors)
+    """Whether ``value`` holds exactly what :func:`make_value` makes (the expected value is
+    made once per shape and kept, so checking costs a comparison only)."""
+    if (nbytes, tensors) not in _expected:
+        _expected.clear()  # one at a time: sizes come in order
+        _expected[(nbytes, tensors)] = make_value(nbytes, tensors)
+    expected = _expected[(nbytes, tensors)]
     if isinstance(expected, torch.Tensor):
         return bool(torch.equal(value.cpu(), expected))
     return len(value) == len(expected) and all(torch.equal(v.cpu(), e) for v, e in zip(value, expected, strict=True))

@@ -118,13 +118,6 @@ def test_bench_calibrate_writes_a_table_that_agents_use(tmp_path):
         consumer.close()
 
 
-def test_bench_without_calibrate_says_what_exists():
-    run = subprocess.run(
-        [sys.executable, "-m", "tensorwire", "bench"], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert run.returncode == 2 and "only --calibrate is built so far" in run.stderr
-
-
 @pytest.mark.parametrize("args", [["-e", "10"], ["-n", "0"]])
 def test_bench_rejects_bad_sizes(args):
     run = subprocess.run(
