@@ -21,13 +21,12 @@ import numpy as np
 import torch
 
 import tensorwire as tw
+from tensorwire.bench.ops import _state, ucx_connect, ucx_start, ucx_stop  # noqa: F401 - bare ucxx set-up, run by name
 from tests.helpers.procs import Worker
 
 MIB = 1 << 20
 SIZES = (1 * MIB, 64 * MIB, 256 * MIB)
 REPEATS = {1 * MIB: 30, 64 * MIB: 8, 256 * MIB: 5}
-
-_state: dict[str, Any] = {}
 
 
 # ---------------------------------------------------------------- tensorwire, in the consumer
@@ -51,23 +50,6 @@ def put_value(nbytes: int) -> tw.Ref:
 
 
 # ---------------------------------------------------------------- bare ucxx
-
-
-def ucx_start() -> bytes:
-    from ucxx._lib import libucxx as ucx_api
-
-    context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
-    worker = ucx_api.UCXWorker(context)
-    worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
-    _state.update(ucx_api=ucx_api, ucx_context=context, ucx_worker=worker)
-    return bytes(worker.address)
-
-
-def ucx_connect(address: bytes) -> None:
-    api, worker = _state["ucx_api"], _state["ucx_worker"]
-    _state["ucx_ep"] = api.UCXEndpoint.create_from_worker_address(
-        worker, api.UCXAddress.create_from_buffer(address), False
-    )
 
 
 def _ucx_wait(request: Any) -> None:
@@ -96,11 +78,6 @@ def ucx_recv(nbytes: int, repeats: int) -> list[float]:
         _ucx_wait(ep.tag_recv(Array(out), api.UCXXTag(i)))
     assert int(out[-1]) == 7
     return [(time.perf_counter() - start) / repeats]
-
-
-def ucx_stop() -> None:
-    _state.pop("ucx_ep").close()
-    _state["ucx_worker"].stop_progress_thread()
 
 
 # ---------------------------------------------------------------- bare torch.distributed gloo

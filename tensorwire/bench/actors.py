@@ -76,27 +76,26 @@ class TwNode(_Node):
         return self.value
 
 
+def _rdt_method(transport: str) -> Any:
+    """A method returning the value through Ray's direct transport ``transport``."""
+
+    @ray.method(tensor_transport=transport)
+    def value_rdt(self: _Node) -> dict[str, torch.Tensor]:
+        return self.value
+
+    return value_rdt
+
+
 @ray.remote(num_cpus=0, enable_tensor_transport=True)
 class RayNode(_Node):
     def value_plain(self) -> dict[str, torch.Tensor]:
         return self.value
 
-    @ray.method(tensor_transport="gloo")
-    def value_rdt(self) -> dict[str, torch.Tensor]:
-        return self.value
-
+    value_rdt = _rdt_method("gloo")
     # GPU variants (unverified: written for machines with GPUs and Ray; none was available)
-    @ray.method(tensor_transport="nccl")
-    def value_rdt_nccl(self) -> dict[str, torch.Tensor]:
-        return self.value
-
-    @ray.method(tensor_transport="cuda_ipc")
-    def value_rdt_cuda_ipc(self) -> dict[str, torch.Tensor]:
-        return self.value
-
-    @ray.method(tensor_transport="nixl")
-    def value_rdt_nixl(self) -> dict[str, torch.Tensor]:
-        return self.value
+    value_rdt_nccl = _rdt_method("nccl")
+    value_rdt_cuda_ipc = _rdt_method("cuda_ipc")
+    value_rdt_nixl = _rdt_method("nixl")
 
 
 def _hand_over(source: Any, consumer: Any, method: str) -> None:

@@ -41,7 +41,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,7 @@ from tensorwire.collectives.staging import RingReader, StagingRing
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime.actor import ActorHandle
 from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.transport.packing import packed_layout
+from tensorwire.transport.packing import InOrderGroups, packed_layout
 from tensorwire.transport.wire import decode_peer, encode_peer, messages
 
 __all__ = ["SyncReport", "WeightSync", "bucket_plan", "checksum", "weight_version"]
@@ -76,17 +76,10 @@ def bucket_plan(nbytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     tensor gets a bucket of its own)."""
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be positive")
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    filled = 0
-    for index, size in enumerate(nbytes):
-        if current and filled + size > bucket_bytes:
-            buckets.append(current)
-            current, filled = [], 0
-        current.append(index)
-        filled += size
-    if current:
-        buckets.append(current)
+    groups = InOrderGroups(bucket_bytes)
+    buckets = [closed for index, size in enumerate(nbytes) if (closed := groups.add(index, size))]
+    if rest := groups.rest():
+        buckets.append(rest)
     return buckets
 
 
@@ -201,6 +194,7 @@ class _Fanout:
         me = channel.members[channel.rank].peer
         use_ring = spec["transport"] in ("", "shm")
         self._local = {c for c in children if use_ring and channel.members[c].peer.same_node(me)}
+        self.offered = 0  # buckets handed on so far: the children wait for this one next
         self._outstanding: collections.deque[tuple[int, Any, list[int], int]] = collections.deque()
         self._on_done: Callable[[int], None] = lambda _k: None
 
@@ -212,6 +206,7 @@ class _Fanout:
         return ring
 
     def offer(self, k: int, tensors: Sequence[torch.Tensor], check: int) -> None:
+        self.offered = k + 1
         if not self.live:
             self._on_done(k)
             return
@@ -295,6 +290,21 @@ class _Fanout:
                 self.channel.unpublish(desc)
 
 
+@contextlib.contextmanager
+def _serving(fanout: _Fanout, who: str) -> Iterator[None]:
+    """Around a server's loop over the buckets: wait for the last acknowledgements; on
+    failure tell the children that no more buckets come; always free what is published."""
+    try:
+        yield
+        fanout.finish()
+    except BaseException as e:
+        fanout.abort(fanout.offered, f"{who} failed: {type(e).__name__}: {e}")
+        raise
+    finally:
+        fanout.abandon()
+        fanout.channel.close()
+
+
 _rings: dict[tuple[str, int], StagingRing] = {}
 _readers: dict[str, RingReader] = {}
 
@@ -320,9 +330,6 @@ def _children(spec: dict[str, Any], rank: int) -> list[int]:
 def send(actor: object, spec: dict[str, Any]) -> dict[str, Any]:
     """Hook, trainer: hand every bucket to the receivers it serves."""
     start = time.perf_counter()
-    names, tensors = _tensor_list(actor, spec["source"], "source")
-    if _layout(names, tensors) != spec["layout"]:
-        raise ValueError("the trainer's tensors changed shape, dtype or names since the WeightSync was made")
     channel = _channel(spec, 0)
     fanout = _Fanout(channel, _children(spec, 0), spec)
     driver = None
@@ -338,21 +345,16 @@ def send(actor: object, spec: dict[str, Any]) -> dict[str, Any]:
 
     fanout._on_done = report_progress
     checksum_s = 0.0
-    k = 0
-    try:
+    with _serving(fanout, "the trainer"):  # a failure here tells the receivers at once
+        names, tensors = _tensor_list(actor, spec["source"], "source")
+        if _layout(names, tensors) != spec["layout"]:
+            raise ValueError("the trainer's tensors changed shape, dtype or names since the WeightSync was made")
         for k, bucket in enumerate(spec["buckets"]):
             part = [tensors[i] for i in bucket]
             check_start = time.perf_counter()
             check = checksum(part) if spec["verify"] else 0
             checksum_s += time.perf_counter() - check_start
             fanout.offer(k, part, check)
-        fanout.finish()
-    except BaseException as e:
-        fanout.abort(k, f"the trainer failed: {type(e).__name__}: {e}")
-        raise
-    finally:
-        fanout.abandon()
-        channel.close()
     return {
         "pack_s": fanout.pack_s,
         "checksum_s": checksum_s,
@@ -381,51 +383,44 @@ def _take_bucket(channel: Channel, spec: dict[str, Any], message: bytes, dst: li
 def receive(actor: object, spec: dict[str, Any], rank: int) -> dict[str, Any]:
     """Hook, receiver ``rank``: copy every bucket into the target tensors; serve if a leader."""
     start = time.perf_counter()
-    _names, targets = _tensor_list(actor, spec["target"], "target")
     channel = _channel(spec, rank)
     parent = spec["parents"][rank]
     fanout = _Fanout(channel, _children(spec, rank), spec)
     transfer_s = unpack_s = verify_s = 0.0
     transports: collections.Counter[str] = collections.Counter()
     ack: Callable[[], None] = lambda: None  # noqa: E731
-    k = 0
-    try:
-        for k, bucket in enumerate(spec["buckets"]):
-            message = channel.recv(parent, f"b{k}")
-            if len(message) < _HEADER.size or message[:1] not in (b"R", b"O"):
-                reason = message[_HEADER.size :].decode(errors="replace") if message[:1] == b"A" else "bad message"
-                raise TensorwireError(f"bucket {k} will not come: {reason}")
-            (_kind, expected) = _HEADER.unpack_from(message)
-            dst = [targets[i] for i in bucket]
-            fetch_start = time.perf_counter()
-            try:
+    acked = 0  # buckets acknowledged to the parent so far
+    with _serving(fanout, f"relay {rank}"):
+        try:
+            _names, targets = _tensor_list(actor, spec["target"], "target")
+            if _layout(_names, targets) != spec["layout"]:
+                raise ValueError("the receiver's tensors changed shape, dtype or names since the WeightSync was made")
+            for k, bucket in enumerate(spec["buckets"]):
+                message = channel.recv(parent, f"b{k}")
+                if len(message) < _HEADER.size or message[:1] not in (b"R", b"O"):
+                    reason = message[_HEADER.size :].decode(errors="replace") if message[:1] == b"A" else "bad message"
+                    raise TensorwireError(f"bucket {k} will not come: {reason}")
+                (_kind, expected) = _HEADER.unpack_from(message)
+                dst = [targets[i] for i in bucket]
+                fetch_start = time.perf_counter()
                 transport, copy_s = _take_bucket(channel, spec, message, dst)
-            except BaseException as e:
-                with contextlib.suppress(TensorwireError):
-                    channel.send(parent, f"b{k}/ack", f"bucket {k}: {type(e).__name__}: {e}".encode()[:4096])
-                raise
-            transports[transport] += 1
-            unpack_s += copy_s
-            transfer_s += time.perf_counter() - fetch_start - copy_s
-            problem = b""
-            if spec["verify"]:
-                verify_start = time.perf_counter()
-                if checksum(dst) != expected:
-                    problem = f"bucket {k}: checksum mismatch after unpacking".encode()
-                verify_s += time.perf_counter() - verify_start
-            ack()  # the previous bucket's acknowledgement arrived
-            ack = channel.post(parent, f"b{k}/ack", problem)
-            if problem:
-                raise TensorwireError(problem.decode())
-            fanout.offer(k, dst, expected)
-        ack()
-        fanout.finish()
-    except BaseException as e:
-        fanout.abort(k, f"relay {rank} failed: {type(e).__name__}: {e}")
-        raise
-    finally:
-        fanout.abandon()
-        channel.close()
+                transports[transport] += 1
+                unpack_s += copy_s
+                transfer_s += time.perf_counter() - fetch_start - copy_s
+                if spec["verify"]:
+                    verify_start = time.perf_counter()
+                    intact = checksum(dst) == expected
+                    verify_s += time.perf_counter() - verify_start
+                    if not intact:
+                        raise TensorwireError(f"bucket {k}: checksum mismatch after unpacking")
+                ack()  # the previous bucket's acknowledgement arrived
+                ack, acked = channel.post(parent, f"b{k}/ack", b""), k + 1
+                fanout.offer(k, dst, expected)
+            ack()
+        except BaseException as e:  # tell the parent, so that it stops waiting for this receiver
+            with contextlib.suppress(TensorwireError):
+                channel.send(parent, f"b{acked}/ack", f"bucket {acked}: {type(e).__name__}: {e}".encode()[:4096])
+            raise
     with _versions_lock:
         _versions[spec["name"]] = spec["version"]
     return {

@@ -15,7 +15,7 @@ import torch
 
 from tensorwire.errors import TransferAbortedError
 
-__all__ = ["ALIGNMENT", "ByteSink", "byte_view", "iter_stream_chunks", "packed_layout"]
+__all__ = ["ALIGNMENT", "ByteSink", "InOrderGroups", "byte_view", "iter_stream_chunks", "message_plan", "packed_layout"]
 
 ALIGNMENT = 64
 
@@ -99,6 +99,28 @@ class ByteSink:
             raise TransferAbortedError(f"transfer ended after {self.received_nbytes} of {self.expected_nbytes} bytes")
 
 
+class InOrderGroups:
+    """Cuts indexed sizes, in order, into groups of at most ``limit`` bytes (an item larger
+    than ``limit`` makes a group of its own): :meth:`add` returns a group when it closes one."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._current: list[int] = []
+        self._filled = 0
+
+    def add(self, index: int, size: int) -> list[int] | None:
+        closed = None
+        if self._current and self._filled + size > self.limit:
+            closed, self._current, self._filled = self._current, [], 0
+        self._current.append(index)
+        self._filled += size
+        return closed
+
+    def rest(self) -> list[int] | None:
+        """The last, unfinished group (None if empty)."""
+        return self._current or None
+
+
 def message_plan(nbytes: Sequence[int], *, small_nbytes: int, pack_nbytes: int) -> list[list[int]]:
     """Group tensors (by index) into messages for a two-sided transfer.
 
@@ -108,19 +130,13 @@ def message_plan(nbytes: Sequence[int], *, small_nbytes: int, pack_nbytes: int) 
     are in no message. Both sides compute the same plan from the same metadata.
     """
     plan: list[list[int]] = []
-    packed: list[int] = []
-    packed_nbytes = 0
+    packed = InOrderGroups(pack_nbytes)
     for index, size in enumerate(nbytes):
         if size == 0:
             continue
-        if size >= small_nbytes:
-            plan.append([index])
-            continue
-        if packed and packed_nbytes + size > pack_nbytes:
-            plan.append(packed)
-            packed, packed_nbytes = [], 0
-        packed.append(index)
-        packed_nbytes += size
-    if packed:
-        plan.append(packed)
+        closed = [index] if size >= small_nbytes else packed.add(index, size)
+        if closed:
+            plan.append(closed)
+    if rest := packed.rest():
+        plan.append(rest)
     return plan

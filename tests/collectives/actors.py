@@ -104,5 +104,9 @@ class Holder:
         for tensor in self.weights.values():
             tensor.add_(torch.randn(tensor.shape, generator=gen))
 
+    def reshape_first(self) -> None:
+        """Break the layout the sync was made with."""
+        self.weights["layer0.weight"] = torch.zeros(3)
+
     def version(self, name: str = "weights") -> int:
         return tw.collective.weight_version(name)

@@ -132,6 +132,23 @@ def test_a_receiver_killed_mid_sync_does_not_stall_the_others(ray_local):
     sync.close()
 
 
+def test_a_failing_trainer_or_receiver_ends_the_push_at_once(ray_local):
+    trainer = Holder.remote(8, 1 << 20, seed=1)
+    receivers = [Holder.remote(8, 1 << 20, seed=None) for _ in range(2)]
+    sync = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=256 << 10, timeout_s=120)
+    ray.get(receivers[0].reshape_first.remote())
+    start = time.monotonic()
+    report = sync.push()  # the receiver tells the trainer; the other one completes
+    assert list(report.failed) == [0] and "changed shape" in report.failed[0]
+    assert ray.get(receivers[1].digest.remote()) == ray.get(trainer.digest.remote())
+    ray.get(trainer.reshape_first.remote())
+    with pytest.raises(ray.exceptions.RayTaskError, match="trainer's tensors changed"):
+        sync.push()  # the trainer tells the receivers at once: nobody waits for the 120 s deadline
+    assert time.monotonic() - start < 60
+    assert sync.versions() == [0, 1]
+    sync.close()
+
+
 def test_mismatched_receivers_and_bad_arguments_are_refused(ray_local):
     trainer = Holder.remote(4, 4096, seed=1)
     other = Holder.remote(3, 4096, seed=None)
