@@ -162,3 +162,14 @@ def test_mismatched_receivers_and_bad_arguments_are_refused(ray_local):
         tw.WeightSync(trainer, [trainer], source="weights")
     with pytest.raises(ValueError, match="bucket_bytes"):
         tw.WeightSync(trainer, [other], source="weights", bucket_bytes=0)
+
+
+def test_progress_line_follows_the_buckets(ray_local, capfd):
+    trainer = Holder.remote(16, 4 << 20, seed=1)
+    receivers = [Holder.remote(16, 4 << 20, seed=None)]
+    sync = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=1 << 20, progress=True)
+    report = sync.push()
+    sync.close()
+    err = capfd.readouterr().err
+    assert report.ok and report.buckets == 4
+    assert "weight sync v1 [" in err and "4/4 buckets" in err  # drawn from the trainer's per-bucket messages
