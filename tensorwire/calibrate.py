@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensorwire.peers import OTHER_NODE, SAME_NODE, ask, median_fetch_seconds, peers
+from tensorwire.peers import OTHER_NODE, SAME_NODE, ask, consumer_device, median_fetch_seconds, peers
 
 __all__ = ["calibrate"]
 
@@ -41,12 +41,10 @@ def calibrate(nbytes: int = 64 << 20, repeats: int = 5, progress: Any = print) -
                 notes.append(f"{name}: not usable here ({agent.unusable_transports()[name]})")
                 continue
             cuda_only = MemoryKind.HOST not in caps.memory
-            device = None
-            if caps.distinct_devices:
-                if torch.cuda.device_count() < 2:
-                    notes.append(f"{name}: needs two GPUs")
-                    continue
-                device = "cuda:1"
+            device, missing = consumer_device(caps)
+            if missing:
+                notes.append(f"{name}: {missing}")
+                continue
             conn = connections[SAME_NODE if not caps.cross_node else OTHER_NODE]
             seconds = []
             small = agent.config.inline_max_nbytes + _SMALL_NBYTES  # just past inline: a real handle

@@ -88,7 +88,7 @@ def _doctor() -> list[tuple[str, str, str]]:
     import torch
 
     import tensorwire as tw
-    from tensorwire.peers import OTHER_NODE, ask, digest_of_fetch, peers
+    from tensorwire.peers import OTHER_NODE, ask, consumer_device, digest_of_fetch, peers
     from tensorwire.runtime.ray_env import agent as runtime_agent
     from tensorwire.transport import registry
     from tensorwire.transport.base import MemoryKind
@@ -128,17 +128,12 @@ def _doctor() -> list[tuple[str, str, str]]:
                 continue
             value = small if name == "inline" else large
             expected = digests[id(value)]
-            device = None
             if MemoryKind.HOST not in caps.memory:  # a GPU-only transport moves a GPU copy
                 value = value.cuda(0)
-            if caps.distinct_devices:  # NCCL: the peer receives on another GPU
-                gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-                if gpus < 2:
-                    results.append(
-                        (f"transport {name}", "warn", f"needs two GPUs (one per process); this machine has {gpus}")
-                    )
-                    continue
-                device = "cuda:1"
+            device, missing = consumer_device(caps)  # NCCL: the peer receives on another GPU
+            if missing:
+                results.append((f"transport {name}", "warn", missing))
+                continue
             size = f"{value.numel() // 1024} KiB"
             if caps.same_process:
                 got = tw.get(tw.put(value), transport=name)

@@ -17,10 +17,25 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["OTHER_NODE", "SAME_NODE", "ask", "digest_of_fetch", "median_fetch_seconds", "peers", "spawn"]
+__all__ = ["OTHER_NODE", "SAME_NODE", "ask", "consumer_device", "digest_of_fetch", "median_fetch_seconds", "peers",
+           "spawn"]  # fmt: skip
 
 SAME_NODE = "same node"
 OTHER_NODE = "other node"
+
+
+def consumer_device(caps: Any) -> tuple[str | None, str]:
+    """Where a peer process receives what a transport with capabilities ``caps`` moves:
+    ``(device, "")``, device None for the default; or ``(None, why)`` when this machine cannot
+    run it. A transport that needs distinct GPUs (NCCL) receives on the second GPU."""
+    if not caps.distinct_devices:
+        return None, ""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2:
+        return None, f"needs two GPUs (one per process); this machine has {gpus}"
+    return "cuda:1", ""
 
 
 def digest_of_fetch(ref: Any, transport: str, device: Any) -> str:

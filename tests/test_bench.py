@@ -152,3 +152,18 @@ def test_bench_usage_errors_exit_2():
     assert done.returncode == 2 and "min <= max" in done.stderr
     done = run_cli("--transports", "shmm", timeout=60)
     assert done.returncode == 2 and "shm" in done.stderr  # did you mean
+
+
+def test_a_transport_that_needs_two_gpus_is_received_on_the_second_or_skipped_with_why():
+    import torch
+
+    from tensorwire.peers import consumer_device
+    from tensorwire.transport import registry
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = registry.get_transport_class("nccl").capabilities
+    if gpus >= 2:
+        assert consumer_device(nccl) == ("cuda:1", "")
+    else:
+        assert consumer_device(nccl) == (None, f"needs two GPUs (one per process); this machine has {gpus}")
+    assert consumer_device(registry.get_transport_class("shm").capabilities) == (None, "")

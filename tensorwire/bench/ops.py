@@ -70,12 +70,13 @@ def hold(nbytes: int, tensors: int) -> Any:
 
 
 def tw_fetch(  # noqa: PLR0917 - called positionally through the peer pipe
-    ref: Any, transport: str, nbytes: int, tensors: int, iterations: int, warmups: int, check: bool
+    ref: Any, transport: str, device: str | None, nbytes: int, tensors: int, iterations: int, warmups: int, check: bool
 ) -> dict:
-    """Consumer: ``tw.get(ref, out=buffers)`` timed per iteration (request + transfer)."""
+    """Consumer: ``tw.get(ref, out=buffers)`` timed per iteration (request + transfer);
+    the buffers are on ``device`` (None: where ``tw.get`` puts the value by default)."""
     import tensorwire as tw
 
-    out = tw.get(ref, transport=transport, timeout_s=120)  # connects, maps, and gives the buffers
+    out = tw.get(ref, transport=transport, device=device, timeout_s=120)  # connects, maps, gives the buffers
     for _ in range(warmups):
         tw.get(ref, out=out, transport=transport, timeout_s=120)
     times, wrong = [], 0

@@ -117,10 +117,12 @@ def _ask(conn: Any, *message: Any) -> Any:
 # ---------------------------------------------------------------------- process scenarios
 
 
-def _transports_to_run(options: Options, notes: list[str]) -> list[tuple[str, bool]]:
-    """(transport, same node) pairs to force, after skipping what cannot run here."""
+def _transports_to_run(options: Options, notes: list[str]) -> list[tuple[str, bool, str | None]]:
+    """(transport, same node, the consumer's device) to force, after skipping what cannot
+    run here."""
     import torch
 
+    from tensorwire.peers import consumer_device
     from tensorwire.runtime.ray_env import agent as runtime_agent
     from tensorwire.transport import registry
     from tensorwire.transport.base import MemoryKind
@@ -132,16 +134,17 @@ def _transports_to_run(options: Options, notes: list[str]) -> list[tuple[str, bo
         if name == "auto":
             continue
         caps = registry.get_transport_class(name).capabilities  # unknown names: "did you mean"
+        device, missing = consumer_device(caps)
         if name == "local":
             notes.append("local: same process only, nothing to measure between processes")
         elif name in unusable:
             notes.append(f"{name}: not usable here ({unusable[name]})")
         elif MemoryKind.HOST not in caps.memory and not torch.cuda.is_available():
             notes.append(f"{name}: needs a GPU; this machine has none")
-        elif caps.distinct_devices and torch.cuda.device_count() < 2:
-            notes.append(f"{name}: needs two GPUs")
+        elif missing:
+            notes.append(f"{name}: {missing}")
         else:
-            result.append((name, not caps.cross_node))
+            result.append((name, not caps.cross_node, device))
     return result
 
 
@@ -204,9 +207,9 @@ def _process_scenarios(options: Options, progress: Progress, notes: list[str]) -
     with spawn(ops.dispatch, envs) as peers:
         same, other = peers["same0"], peers["other"]
 
-        def fetch(conn: Any, ref: Any, transport: str, nbytes: int, tensors: int) -> dict:
-            return _ask(conn, "tw_fetch", ref, transport, nbytes, tensors, options.iterations, options.warmups,
-                        options.check)  # fmt: skip
+        def fetch(conn: Any, ref: Any, transport: str, nbytes: int, tensors: int, *, device: str | None = None) -> dict:
+            return _ask(conn, "tw_fetch", ref, transport, device, nbytes, tensors, options.iterations,
+                        options.warmups, options.check)  # fmt: skip
 
         if "p2p-processes" in options.scenarios:
             for nbytes in sizes:
@@ -215,10 +218,10 @@ def _process_scenarios(options: Options, progress: Progress, notes: list[str]) -
                                  reason="single-thread numpy copy in one process: the one-node bound"))  # fmt: skip
                 progress.step(f"memcpy {nbytes}")
                 host_ref = tw.put(_value(nbytes, 1, cuda=False))
-                plans = [("tensorwire auto (same node)", same, "", host_ref),
-                         ("tensorwire auto (other node)", other, "", host_ref)]  # fmt: skip
+                plans = [("tensorwire auto (same node)", same, "", host_ref, None),
+                         ("tensorwire auto (other node)", other, "", host_ref, None)]  # fmt: skip
                 cuda_ref = None
-                for name, same_node in forced:
+                for name, same_node, device in forced:
                     caps = registry.get_transport_class(name).capabilities
                     if name == "inline" and nbytes > agent.config.inline_max_nbytes:
                         continue
@@ -227,9 +230,9 @@ def _process_scenarios(options: Options, progress: Progress, notes: list[str]) -
                         cuda_ref = cuda_ref or tw.put(_value(nbytes, 1, cuda=True))
                         ref = cuda_ref
                     where = "same node" if same_node else "other node"
-                    plans.append((f"tensorwire {name} ({where})", same if same_node else other, name, ref))
-                for method, conn, transport, ref in plans:
-                    result = fetch(conn, ref, transport, nbytes, 1)
+                    plans.append((f"tensorwire {name} ({where})", same if same_node else other, name, ref, device))
+                for method, conn, transport, ref, device in plans:
+                    result = fetch(conn, ref, transport, nbytes, 1, device=device)
                     reason = result["reason"] if not transport else "forced"
                     rows.append(make_row("p2p-processes", method, result, baseline=False, nbytes=nbytes,
                                      transport=result["transport"], reason=reason))  # fmt: skip
@@ -260,7 +263,7 @@ def _process_scenarios(options: Options, progress: Progress, notes: list[str]) -
         if "concurrent" in options.scenarios:
             ref = tw.put(_value(largest, 1, cuda=False))
             readers = [peers[f"same{i}"] for i in range(max(1, options.peers))]
-            message = ("tw_fetch", ref, "", largest, 1, options.iterations, options.warmups, options.check)
+            message = ("tw_fetch", ref, "", None, largest, 1, options.iterations, options.warmups, options.check)
             for conn in readers:
                 conn.send(message)
             results = []
