@@ -17,6 +17,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.bench import ops
+from tensorwire.bench.runner import make_row
 
 __all__ = ["run"]
 
@@ -103,6 +104,22 @@ def _hand_over(source: Any, consumer: Any, method: str) -> None:
     ray.get(consumer.take.remote(getattr(source, method).remote()))
 
 
+def _measure(
+    scenario: str, plans: dict[str, tuple[Any, Any, bool]], nbytes: int, options: Any, *, reason: str,
+    progress: Any = None,
+) -> list[Any]:  # fmt: skip
+    """A row per ``method: (round, consumer, is a baseline)``: ``round()`` timed, and the
+    consumer's buffers checked after each timed round when asked."""
+    rows = []
+    for method, (fn, consumer, baseline) in plans.items():
+        result = _timed(fn, lambda c=consumer: ray.get(c.verify.remote(nbytes, 1)), options)
+        rows.append(make_row(scenario, method, result, baseline=baseline, nbytes=nbytes,
+                             transport="" if baseline else "auto", reason=reason))  # fmt: skip
+        if progress is not None:
+            progress.step(f"actors {method} {nbytes}")
+    return rows
+
+
 def _timed(fn: Any, check: Any, options: Any) -> dict:
     """Run ``fn`` warm-up + iteration times; ``check()`` after each timed one if asked."""
     for _ in range(options.warmups):
@@ -118,24 +135,22 @@ def _timed(fn: Any, check: Any, options: Any) -> dict:
 
 
 def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
-    from tensorwire.bench.runner import make_row
-
     started_ray = not ray.is_initialized()
     tw.init(include_dashboard=False, num_cpus=max(4, options.peers + 2))
     rows = []
     try:
         if "p2p-actors" in options.scenarios:
-            rows += _p2p(options, progress, notes, make_row)
-            rows += _p2p_gpu(options, progress, notes, make_row)
+            rows += _p2p(options, progress, notes)
+            rows += _p2p_gpu(options, notes)
         if "one-to-n" in options.scenarios:
-            rows += _one_to_n(options, progress, notes, make_row)
+            rows += _one_to_n(options, progress)
     finally:
         if started_ray:
             ray.shutdown()
     return rows
 
 
-def _p2p(options: Any, progress: Any, notes: list[str], make_row: Any) -> list[Any]:
+def _p2p(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     from ray.experimental.collective import create_collective_group
 
     tw_src, tw_dst = TwNode.remote(), TwNode.remote()
@@ -152,20 +167,15 @@ def _p2p(options: Any, progress: Any, notes: list[str], make_row: Any) -> list[A
         nodes = [tw_src, tw_dst, ray_src, ray_dst, zc_src, zc_dst]
         ray.get([n.set.remote(nbytes, 1) for n in nodes])
         plans = {
-            "tensorwire (@tw.method ref)": (
-                lambda: ray.get(tw_dst.take.remote(tw_src.value_ref.remote())), tw_dst, False),
-            "Ray object store": (lambda: ray.get(ray_dst.take.remote(ray_src.value_plain.remote())), ray_dst, True),
+            "tensorwire (@tw.method ref)": (functools.partial(_hand_over, tw_src, tw_dst, "value_ref"), tw_dst, False),
+            "Ray object store": (functools.partial(_hand_over, ray_src, ray_dst, "value_plain"), ray_dst, True),
             "Ray object store, zero-copy torch": (
-                lambda: ray.get(zc_dst.take.remote(zc_src.value_plain.remote())), zc_dst, True),
+                functools.partial(_hand_over, zc_src, zc_dst, "value_plain"), zc_dst, True),
         }  # fmt: skip
         if rdt:
-            plans["Ray RDT (gloo)"] = (lambda: ray.get(ray_dst.take.remote(ray_src.value_rdt.remote())), ray_dst, True)
-        for method, (fn, consumer, baseline) in plans.items():
-            result = _timed(fn, lambda c=consumer, size=nbytes: ray.get(c.verify.remote(size, 1)), options)
-            rows.append(make_row("p2p-actors", method, result, baseline=baseline, nbytes=nbytes,
-                                 transport="" if baseline else "auto",
-                                 reason="actor -> actor, the consumer copies it in"))  # fmt: skip
-            progress.step(f"actors {method} {nbytes}")
+            plans["Ray RDT (gloo)"] = (functools.partial(_hand_over, ray_src, ray_dst, "value_rdt"), ray_dst, True)
+        rows += _measure("p2p-actors", plans, nbytes, options, reason="actor -> actor, the consumer copies it in",
+                         progress=progress)  # fmt: skip
     return rows
 
 
@@ -189,7 +199,7 @@ def _gpu_plans(notes: list[str]) -> list[tuple[str, str, float, str]]:
     return plans
 
 
-def _p2p_gpu(options: Any, progress: Any, notes: list[str], make_row: Any) -> list[Any]:
+def _p2p_gpu(options: Any, notes: list[str]) -> list[Any]:
     """GPU tensors actor to actor: tensorwire against Ray's direct transport over each GPU
     transport that fits the cluster. Unverified: no GPU machine with Ray was available."""
     from ray.experimental.collective import create_collective_group
@@ -207,11 +217,8 @@ def _p2p_gpu(options: Any, progress: Any, notes: list[str], make_row: Any) -> li
                                                       tw_dst, False),
                 f"Ray RDT ({rdt})": (functools.partial(_hand_over, ray_src, ray_dst, method_name), ray_dst, True),
             }  # fmt: skip
-            for method, (fn, consumer, baseline) in plans.items():
-                result = _timed(fn, lambda c=consumer, size=nbytes: ray.get(c.verify.remote(size, 1)), options)
-                rows.append(make_row(f"p2p-actors-gpu-{rdt}", method, result, baseline=baseline, nbytes=nbytes,
-                                     transport="" if baseline else "auto",
-                                     reason="GPU actor -> GPU actor, unverified path"))  # fmt: skip
+            rows += _measure(f"p2p-actors-gpu-{rdt}", plans, nbytes, options,
+                             reason="GPU actor -> GPU actor, unverified path")  # fmt: skip
         for actor in (tw_src, tw_dst):
             ray.kill(actor.ray_handle)
         for actor in (ray_src, ray_dst):
@@ -219,7 +226,7 @@ def _p2p_gpu(options: Any, progress: Any, notes: list[str], make_row: Any) -> li
     return rows
 
 
-def _one_to_n(options: Any, progress: Any, notes: list[str], make_row: Any) -> list[Any]:
+def _one_to_n(options: Any, progress: Any) -> list[Any]:
     n = max(1, options.peers)
     source = TwNode.remote()
     receivers = [TwNode.remote() for _ in range(n)]
