@@ -15,7 +15,7 @@ from typing import Any
 from tensorwire.collectives.group import BACKENDS
 from tensorwire.runtime.actor import HOOK_METHOD, ActorHandle
 
-__all__ = ["GroupInfo", "call_hook", "create_group", "describe_actors", "destroy_group"]
+__all__ = ["GroupInfo", "call_hook", "check_actors", "create_group", "describe_actors", "destroy_group"]
 
 _created: dict[str, GroupInfo] = {}
 _created_lock = threading.Lock()
@@ -43,7 +43,9 @@ def call_hook(actor: ActorHandle, function: str, *args: Any, **kwargs: Any) -> A
     return getattr(actor.ray_handle, HOOK_METHOD).remote(f"tensorwire.collectives.{function}", *args, **kwargs)
 
 
-def _check_actors(actors: Sequence[ActorHandle], what: str) -> tuple[ActorHandle, ...]:
+def check_actors(actors: Sequence[ActorHandle], what: str) -> tuple[ActorHandle, ...]:
+    """``actors`` as a tuple; ``TypeError`` for anything not made with ``@tw.remote``,
+    ``ValueError`` for an actor given twice (``what`` names the caller)."""
     actors = tuple(actors)
     for actor in actors:
         if not isinstance(actor, ActorHandle):
@@ -90,7 +92,7 @@ def create_group(
     """
     import ray
 
-    actors = _check_actors(actors, "create_group")
+    actors = check_actors(actors, "create_group")
     if not actors:
         raise ValueError("create_group needs at least one actor")
     if backend not in ("auto", *BACKENDS):

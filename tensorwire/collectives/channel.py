@@ -26,7 +26,7 @@ from tensorwire.errors import OwnerDiedError, PeerLostError, TransferTimeoutErro
 from tensorwire.runtime.api import register_tensors, target_device
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.base import ObjectDescriptor, PeerInfo
-from tensorwire.transport.wire import decode_announcement, decode_peer, encode_announcement, encode_peer, messages
+from tensorwire.transport.wire import decode_announcement, encode_announcement, peer_from_bytes, peer_to_bytes
 
 __all__ = ["Channel", "Fetched", "Member", "describe_self", "member_from"]
 
@@ -57,14 +57,12 @@ class Member:
 def describe_self(_actor: object) -> tuple[bytes, int]:
     """Hook: this actor's agent (``Peer`` message bytes) and how many GPUs it sees."""
     peer = runtime_agent().peer
-    return encode_peer(peer).SerializeToString(), torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return peer_to_bytes(peer), torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def member_from(rank: int, description: tuple[bytes, int]) -> Member:
     """The :class:`Member` that :func:`describe_self` described."""
-    message = messages["Peer"]()
-    message.ParseFromString(description[0])
-    return Member(rank, decode_peer(message), int(description[1]))
+    return Member(rank, peer_from_bytes(description[0]), int(description[1]))
 
 
 class Channel:

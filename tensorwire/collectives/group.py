@@ -93,7 +93,7 @@ class Group(ABC):
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"{what} rank {rank!r} is not in group {self.name!r} (ranks 0..{self.world_size - 1})")
 
-    def _run(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _run(self, fn: Callable[[], Any]) -> Any:
         with self._lock:
             if self._destroyed:
                 raise RuntimeError(f"group {self.name!r} was destroyed")
@@ -102,43 +102,43 @@ class Group(ABC):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Every member's ``tensor`` becomes ``src``'s."""
         self._check_rank(src, "source")
-        self._run("broadcast", lambda: self._broadcast(tensor, src))
+        self._run(lambda: self._broadcast(tensor, src))
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> None:
         """``tensor`` becomes the reduction (sum by default) of every member's ``tensor``."""
         name = _op_name(op)
-        self._run("all_reduce", lambda: self._all_reduce(tensor, name))
+        self._run(lambda: self._all_reduce(tensor, name))
 
     def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
         """``tensor_list[r]`` becomes member ``r``'s ``tensor``."""
         if len(tensor_list) != self.world_size:
             raise ValueError(f"all_gather needs {self.world_size} output tensors, got {len(tensor_list)}")
-        self._run("all_gather", lambda: self._all_gather(tensor_list, tensor))
+        self._run(lambda: self._all_gather(tensor_list, tensor))
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: Any = "sum") -> None:
         """``output`` on member ``r`` becomes the reduction of every member's ``input_list[r]``."""
         if len(input_list) != self.world_size:
             raise ValueError(f"reduce_scatter needs {self.world_size} input tensors, got {len(input_list)}")
         name = _op_name(op)
-        self._run("reduce_scatter", lambda: self._reduce_scatter(output, input_list, name))
+        self._run(lambda: self._reduce_scatter(output, input_list, name))
 
     def barrier(self) -> None:
         """Return once every member called ``barrier``."""
-        self._run("barrier", self._barrier)
+        self._run(self._barrier)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Send ``tensor`` to member ``dst`` (which calls ``recv`` with this rank and tag)."""
         self._check_rank(dst, "destination")
         if dst == self.rank:
             raise ValueError("a member cannot send to itself")
-        self._run("send", lambda: self._send(tensor, dst, tag))
+        self._run(lambda: self._send(tensor, dst, tag))
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         """Receive into ``tensor`` what member ``src`` sends with ``tag``."""
         self._check_rank(src, "source")
         if src == self.rank:
             raise ValueError("a member cannot receive from itself")
-        self._run("recv", lambda: self._recv(tensor, src, tag))
+        self._run(lambda: self._recv(tensor, src, tag))
 
     def destroy(self) -> None:
         """Leave the group (only here; the driver's ``destroy_group`` makes every member leave)."""

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from tensorwire.collectives.api import DEFAULT_TIMEOUT_S, call_hook, describe_actors
+from tensorwire.collectives.api import DEFAULT_TIMEOUT_S, call_hook, check_actors, describe_actors
 from tensorwire.collectives.channel import Channel, member_from
 from tensorwire.collectives.group import broadcast_parents
 from tensorwire.collectives.staging import RingReader, StagingRing
@@ -55,7 +55,7 @@ from tensorwire.errors import TensorwireError
 from tensorwire.runtime.actor import ActorHandle
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.packing import InOrderGroups, packed_layout
-from tensorwire.transport.wire import decode_peer, encode_peer, messages
+from tensorwire.transport.wire import peer_from_bytes, peer_to_bytes
 
 __all__ = ["SyncReport", "WeightSync", "bucket_plan", "checksum", "weight_version"]
 
@@ -184,7 +184,13 @@ class _Fanout:
     others (and device memory) get each bucket as an announced object of the server's agent.
     """
 
-    def __init__(self, channel: Channel, children: Sequence[int], spec: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        children: Sequence[int],
+        spec: dict[str, Any],
+        on_done: Callable[[int], None] = lambda _k: None,
+    ) -> None:
         self.channel = channel
         self.live = list(children)
         self.failed: dict[int, str] = {}
@@ -196,7 +202,7 @@ class _Fanout:
         self._local = {c for c in children if use_ring and channel.members[c].peer.same_node(me)}
         self.offered = 0  # buckets handed on so far: the children wait for this one next
         self._outstanding: collections.deque[tuple[int, Any, list[int], int]] = collections.deque()
-        self._on_done: Callable[[int], None] = lambda _k: None
+        self._on_done = on_done  # called with k once every child acknowledged bucket k (or none was left)
 
     def _ring(self) -> StagingRing:
         key = (self._spec["sync_id"], self.channel.rank)
@@ -331,19 +337,14 @@ def send(actor: object, spec: dict[str, Any]) -> dict[str, Any]:
     """Hook, trainer: hand every bucket to the receivers it serves."""
     start = time.perf_counter()
     channel = _channel(spec, 0)
-    fanout = _Fanout(channel, _children(spec, 0), spec)
-    driver = None
-    if spec["driver"]:
-        message = messages["Peer"]()
-        message.ParseFromString(spec["driver"])
-        driver = decode_peer(message)
+    driver = peer_from_bytes(spec["driver"]) if spec["driver"] else None
 
     def report_progress(k: int) -> None:
         if driver is not None:
             with contextlib.suppress(TensorwireError):  # progress is best effort
                 runtime_agent().rendezvous_push(driver, spec["channel"], f"progress/{k}", b"", timeout_s=5.0)
 
-    fanout._on_done = report_progress
+    fanout = _Fanout(channel, _children(spec, 0), spec, on_done=report_progress)
     checksum_s = 0.0
     with _serving(fanout, "the trainer"):  # a failure here tells the receivers at once
         names, tensors = _tensor_list(actor, spec["source"], "source")
@@ -526,14 +527,9 @@ class WeightSync:
     ) -> None:
         import ray
 
-        actors = [trainer, *receivers]
-        for actor in actors:
-            if not isinstance(actor, ActorHandle):
-                raise TypeError(f"WeightSync takes actors made with @tw.remote, got {type(actor).__name__}")
+        actors = check_actors([trainer, *receivers], "WeightSync (trainer and receivers)")
         if not receivers:
             raise ValueError("WeightSync needs at least one receiver")
-        if len({a.ray_handle._actor_id for a in actors}) != len(actors):
-            raise ValueError("WeightSync: an actor appears twice (or the trainer is also a receiver)")
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError("bucket_bytes must be a positive number of bytes")
         if transport != "auto":
@@ -602,7 +598,7 @@ class WeightSync:
             "verify": self.verify,
             "transport": self.transport,
             "timeout_s": self.timeout_s,
-            "driver": encode_peer(runtime_agent().peer).SerializeToString() if self.progress else b"",
+            "driver": peer_to_bytes(runtime_agent().peer) if self.progress else b"",
         }
         start = time.perf_counter()
         trainer_ref = call_hook(self.trainer, "weight_sync.send", spec)

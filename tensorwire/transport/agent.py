@@ -739,25 +739,24 @@ class Agent(TransportContext):
         return wait
 
     def rendezvous_get(self, group: str, key: str, *, timeout_s: float) -> bytes:
-        deadline = time.monotonic() + timeout_s
-        with self._rendezvous_changed:
-            while (value := self._rendezvous.get(group, {}).get(key)) is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeoutError(f"rendezvous {group}: key {key!r} not set before the deadline")
-                self._rendezvous_changed.wait(left)
-            return value
+        return self._rendezvous_wait(group, key, timeout_s, take=False)
 
     def rendezvous_take(self, group: str, key: str, *, timeout_s: float) -> bytes:
         """Like :meth:`rendezvous_get`, and remove the key (a message consumed once)."""
+        return self._rendezvous_wait(group, key, timeout_s, take=True)
+
+    def _rendezvous_wait(self, group: str, key: str, timeout_s: float, *, take: bool) -> bytes:
         deadline = time.monotonic() + timeout_s
         with self._rendezvous_changed:
-            while (value := self._rendezvous.get(group, {}).pop(key, None)) is None:
+            while True:
+                table = self._rendezvous.get(group, {})
+                value = table.pop(key, None) if take else table.get(key)
+                if value is not None:
+                    return value
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeoutError(f"rendezvous {group}: key {key!r} not set before the deadline")
                 self._rendezvous_changed.wait(left)
-            return value
 
     def rendezvous_forget(self, group: str) -> None:
         with self._lock:

@@ -61,6 +61,8 @@ __all__ = [
     "encode_announcement",
     "encode_peer",
     "messages",
+    "peer_from_bytes",
+    "peer_to_bytes",
 ]
 
 _F = descriptor_pb2.FieldDescriptorProto
@@ -178,6 +180,18 @@ def decode_peer(message: Any) -> PeerInfo:
         gpu_links=tuple((link.a, link.b, link.kind) for link in message.gpu_links),
         transport_info=tuple((t.name, t.info) for t in message.transport_info),
     )
+
+
+def peer_to_bytes(peer: PeerInfo) -> bytes:
+    """``peer`` as a serialized ``Peer`` message (to hand through Ray, no pickle of ours)."""
+    return encode_peer(peer).SerializeToString()
+
+
+def peer_from_bytes(data: bytes) -> PeerInfo:
+    """The :class:`PeerInfo` that :func:`peer_to_bytes` wrote."""
+    message = messages["Peer"]()
+    message.ParseFromString(data)
+    return decode_peer(message)
 
 
 def encode_announcement(desc: ObjectDescriptor, handles: dict[str, bytes]) -> bytes:
