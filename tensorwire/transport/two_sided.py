@@ -23,6 +23,7 @@ side ever waits for a slow transfer to post the next one.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import secrets
@@ -119,7 +120,7 @@ class TwoSidedTransport(Transport):
         self._lock = threading.Lock()
         self._outgoing: dict[tuple[str, str], Connection] = {}  # consumer side, by (owner agent id, scope)
         self._incoming: dict[bytes, Connection] = {}  # producer side, by connection key
-        self._connecting: dict[str, threading.Lock] = {}
+        self._connecting: dict[tuple[str, str], threading.Lock] = {}  # gates, keyed like _outgoing
         self._tags = itertools.count(1)
         self._completions = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"tensorwire-{self.name}-sends")
 
@@ -169,7 +170,7 @@ class TwoSidedTransport(Transport):
             connection = self._outgoing.get(cache_key)
             if connection is not None:
                 return connection
-            gate = self._connecting.setdefault(f"{owner.agent_id}|{scope}", threading.Lock())
+            gate = self._connecting.setdefault(cache_key, threading.Lock())
         with gate:  # one connect per peer and scope at a time; the others wait and reuse it
             with self._lock:
                 connection = self._outgoing.get(cache_key)
@@ -210,7 +211,7 @@ class TwoSidedTransport(Transport):
             connections = [
                 c for c in (*self._outgoing.values(), *self._incoming.values()) if c.peer.agent_id == agent_id
             ]
-            for gate in [k for k in self._connecting if k.startswith(f"{agent_id}|")]:
+            for gate in [k for k in self._connecting if k[0] == agent_id]:
                 del self._connecting[gate]
         for connection in connections:
             self._drop(connection)
@@ -278,10 +279,7 @@ class TwoSidedTransport(Transport):
         for attempt in (1, 2):
             connection = self._connection_to(request.owner, request.deadline, scope)
             try:
-                if self.ordered:
-                    with connection.lock:
-                        self._transfer(request, dst, plan, connection)
-                else:
+                with connection.lock if self.ordered else contextlib.nullcontext():
                     self._transfer(request, dst, plan, connection)
                 return
             except _Reconnect:
