@@ -38,6 +38,7 @@ from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.gloo import GlooWorks
 from tensorwire.transport.nccl import NcclWorks
 from tensorwire.transport.pair_groups import ControlStore, abort_group
+from tensorwire.transport.shutdown import run_bounded
 
 __all__ = ["BACKENDS", "Group", "TensorwireGroup", "TorchGroup", "get_group", "group_names", "join", "leave"]
 
@@ -273,7 +274,8 @@ class TorchGroup(Group):
         self._post("recv", lambda: self._pg.recv([tensor], src, tag), [tensor])
 
     def _close(self) -> None:
-        abort_group(self._pg)
+        # Bounded: an NCCL or gloo abort that blocks is left behind with a warning.
+        run_bounded(lambda: abort_group(self._pg), what=f"aborting the process group of {self.name!r}")
 
 
 # ---------------------------------------------------------------------- tensorwire backend

@@ -9,10 +9,12 @@ the sync: it packs bucket k into slot k % 2 while its same-node readers copy buc
 the other slot into their parameters, through a :class:`RingReader` that keeps its mappings.
 
 A slot is rewritten only after every reader acknowledged the bucket it held (the sync's
-double buffering guarantees it). Segments are private to the user (mode 0600, names checked
-on open) and reserved when made, so a full ``/dev/shm`` is an error at creation, never a
-SIGBUS later. The ring and the readers' mappings are dropped by ``WeightSync.close()``;
-a killed server's segments are removed like any orphaned tensorwire segment.
+double buffering guarantees it). Slots are anonymous segments (``memfd``: nothing in
+``/dev/shm``; the kernel frees them when the server and its readers are gone, a killed server
+included), reserved when made, so a lack of memory is an error at creation, never a SIGBUS
+later. A slot's *name* is the address of the server's descriptor server, a random key and a
+random token: a reader gets the descriptor only by presenting them. The ring and the readers'
+mappings are dropped by ``WeightSync.close()``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import secrets
 import time
 import warnings
 from collections.abc import Sequence
@@ -27,11 +30,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tensorwire.errors import TransportError
+from tensorwire.transport import memfd
 from tensorwire.transport.base import PeerInfo
+from tensorwire.transport.control import socket_dir
 from tensorwire.transport.packing import byte_view, packed_layout
-from tensorwire.transport.shm import create_segment, open_segment
 
 __all__ = ["RingReader", "StagingRing"]
+
+_OPEN_TIMEOUT_S = 30.0  # getting a slot's descriptor from its server: one local round trip
 
 
 def _as_bytes(array: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
@@ -44,18 +51,22 @@ class StagingRing:
     def __init__(self, peer: PeerInfo, slot_nbytes: int, slots: int = 2) -> None:
         self.slot_nbytes = slot_nbytes
         self.names: list[str] = []
-        self._paths: list[str] = []
+        self._keys: list[bytes] = []
         self._maps: list[mmap.mmap] = []
         self._arrays: list[np.ndarray] = []
+        self._server = server = memfd.fd_server(socket_dir())
         try:
             for _ in range(slots):
-                name, path, fd = create_segment(peer, slot_nbytes, reserve=True)
-                self.names.append(name)
-                self._paths.append(path)
+                fd = memfd.create_memfd(slot_nbytes, reserve=True)
                 try:
                     mapping = mmap.mmap(fd, max(slot_nbytes, 1), flags=mmap.MAP_SHARED)
-                finally:
+                except BaseException:
                     os.close(fd)
+                    raise
+                key, token = secrets.token_bytes(16), secrets.token_bytes(16)
+                server.offer(key, token, fd, max(slot_nbytes, 1))  # the server owns fd now
+                self._keys.append(key)
+                self.names.append(f"{server.path}|{key.hex()}|{token.hex()}")
                 self._maps.append(mapping)
                 self._arrays.append(np.frombuffer(mapping, dtype=np.uint8))
         except BaseException:
@@ -77,16 +88,15 @@ class StagingRing:
             np.copyto(_as_bytes(target, offset, source.size), source)
 
     def close(self) -> None:
-        """Unlink the segments and drop this process's mappings (readers' stay valid)."""
+        """Withdraw the slots and drop this process's mappings (readers' stay valid)."""
         self._arrays.clear()
         for mapping in self._maps:
             with contextlib.suppress(BufferError):
                 mapping.close()
         self._maps.clear()
-        for path in self._paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._paths.clear()
+        for key in self._keys:
+            self._server.withdraw(key)
+        self._keys.clear()
 
 
 class RingReader:
@@ -99,7 +109,13 @@ class RingReader:
     def _array(self, name: str, slot_nbytes: int) -> np.ndarray:
         array = self._arrays.get(name)
         if array is None:
-            fd = open_segment(name, slot_nbytes)
+            path, key, token = name.split("|")
+            fd, nbytes = memfd.fd_client().receive(
+                path, bytes.fromhex(key), bytes.fromhex(token), deadline=time.monotonic() + _OPEN_TIMEOUT_S
+            )
+            if nbytes < slot_nbytes:
+                os.close(fd)
+                raise TransportError(f"a staging slot has {nbytes} bytes, fewer than {slot_nbytes}")
             try:
                 mapping = mmap.mmap(fd, max(slot_nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             finally:

@@ -17,12 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from tensorwire.errors import TransferTimeoutError
 from tensorwire.runtime import values
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ray_env import configure_process
 from tensorwire.runtime.ref import Ref, RefState
 from tensorwire.transport import topology
 from tensorwire.transport.base import ObjectDescriptor, TensorKind, TensorMeta
+from tensorwire.transport.config import validate_timeout
 from tensorwire.transport.packing import packed_layout
 
 __all__ = ["free", "get", "get_async", "init", "put", "register_tensors", "stats", "target_device", "wait"]
@@ -228,7 +230,9 @@ def _get_one(
     start = time.monotonic()
     state = ref._resolve(timeout_s)
     if timeout_s is not None:
-        timeout_s = max(0.0, timeout_s - (time.monotonic() - start))
+        timeout_s -= time.monotonic() - start
+        if timeout_s <= 0:
+            raise TransferTimeoutError("tensorwire.get: the deadline passed while waiting for the producing call")
     agent = runtime_agent()
     desc = state.desc
     skeleton = ref._load_skeleton()
@@ -286,6 +290,8 @@ def get(
         NoTransportError: No (or the forced) transport can serve. ValueError: ``out`` does
             not match. TransferTimeoutError: the deadline passed.
     """
+    if timeout_s is not None:
+        timeout_s = validate_timeout(timeout_s)
     if isinstance(ref, (list, tuple)):
         outs = list(out) if out is not None else [None] * len(ref)
         if len(outs) != len(ref):
@@ -316,7 +322,7 @@ def wait(refs: list[Ref], *, num_returns: int = 1, timeout_s: float | None = Non
         raise TypeError("tensorwire.wait expects a list of Refs")
     if not 0 <= num_returns <= len(refs):
         raise ValueError(f"num_returns={num_returns} must be between 0 and len(refs)={len(refs)}")
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + validate_timeout(timeout_s)
     while True:
         ready_ids = {id(r) for r in refs if r.ready()}
         if len(ready_ids) >= num_returns or (deadline is not None and time.monotonic() >= deadline):

@@ -60,7 +60,7 @@ from tensorwire.transport.base import (
     Transport,
     TransportContext,
 )
-from tensorwire.transport.config import Config
+from tensorwire.transport.config import Config, validate_timeout
 from tensorwire.transport.control import (
     ControlClient,
     ControlServer,
@@ -71,6 +71,7 @@ from tensorwire.transport.control import (
 )
 from tensorwire.transport.metrics import TransferRecord
 from tensorwire.transport.outbox import Outbox
+from tensorwire.transport.shutdown import run_bounded
 from tensorwire.transport.wire import HolderOpKind, ObjectState, decode_peer, encode_peer, messages
 
 __all__ = ["Agent", "TransferRecord", "add_startup_hook", "get_agent", "shutdown_agent"]
@@ -378,6 +379,10 @@ class Agent(TransportContext):
             except Exception:
                 logger.debug("transport %s failed to forget an object", transport.name, exc_info=True)
         self._send(held.owner, HolderOpKind.RELEASE, desc.object_id, desc.token)
+
+    def holds(self, object_id: bytes) -> bool:
+        with self._lock:
+            return object_id in self._held
 
     def ref_pickled(self, desc: ObjectDescriptor) -> bytes:
         """A reference is leaving this process: pin its object until the receiver registers."""
@@ -849,7 +854,8 @@ class Agent(TransportContext):
                 copy-on-write mapping) over a private copy.
             timeout_s: Deadline of the whole fetch (default ``Config.timeout_s``).
         """
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.timeout_s)
+        timeout_s = self.config.timeout_s if timeout_s is None else validate_timeout(timeout_s)
+        deadline = time.monotonic() + timeout_s
         forced = transport or self.config.transport
         if forced:
             registry.get_transport_class(forced)  # unknown names: "did you mean"
@@ -880,6 +886,10 @@ class Agent(TransportContext):
             attempt = replace(request, handle=handles.get(name))
             start = time.perf_counter()
             try:
+                if time.monotonic() >= deadline:
+                    raise TransferTimeoutError(
+                        f"fetch of object {desc.object_id.hex()} not started before its deadline ({timeout_s} s)"
+                    )
                 if attempt.handle is None and instance.capabilities.needs_export:
                     attempt = replace(attempt, handle=self.request_export(attempt, name))
                 if view and instance.capabilities.zero_copy_view:
@@ -990,13 +1000,12 @@ class Agent(TransportContext):
             entries = list(self._objects.values())
         for entry in entries:
             self._free(entry)
+        # Each step is bounded: a native library whose own shutdown blocks is left behind with
+        # a warning, and the process still exits.
         for transport in self._transports.values():
-            try:
-                transport.close()
-            except Exception:
-                logger.warning("transport %s failed to close", transport.name, exc_info=True)
-        self._server.stop(grace_s=0.2)
-        self._client.close()
+            run_bounded(transport.close, what=f"closing transport {transport.name}")
+        run_bounded(lambda: self._server.stop(grace_s=0.2), what="stopping the control service")
+        run_bounded(self._client.close, what="closing the control client")
 
 
 _FOREIGN_KINDS = frozenset({TensorKind.CUPY, TensorKind.DLPACK})  # memory torch did not allocate

@@ -325,6 +325,12 @@ class TransportContext(ABC):
         Used by one-sided transports when their handle no longer resolves.
         """
 
+    def holds(self, object_id: bytes) -> bool:
+        """Consumer: whether this process holds a reference to another agent's object (then
+        ``Transport.forget_object`` is called when it no longer does). Transports may keep
+        per-object state (mappings, descriptors) only for held objects."""
+        return False
+
 
 class Transport(ABC):
     """One way of moving an object's bytes. One instance per agent (process).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Config"]
+__all__ = ["Config", "validate_timeout"]
 
 
 def _env_float(name: str, default: float) -> float:
@@ -18,6 +18,17 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
     if value <= 0:
         raise ValueError(f"environment variable {name}={raw!r} must be positive")
+    return value
+
+
+def validate_timeout(timeout_s: object, *, what: str = "timeout_s") -> float:
+    """``timeout_s`` as a positive, finite float; ``ValueError`` for anything else (zero,
+    negative, infinite, NaN, a bool, a string)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+        raise ValueError(f"{what} must be a positive number of seconds, got {timeout_s!r}")
+    value = float(timeout_s)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{what} must be a positive, finite number of seconds, got {timeout_s!r}")
     return value
 
 

@@ -9,15 +9,48 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
-from tensorwire.errors import TransferAbortedError
+from tensorwire.errors import TransferAbortedError, TransferTimeoutError
 
-__all__ = ["ALIGNMENT", "ByteSink", "InOrderGroups", "byte_view", "iter_stream_chunks", "message_plan", "packed_layout"]
+__all__ = [
+    "ALIGNMENT",
+    "ByteSink",
+    "InOrderGroups",
+    "byte_view",
+    "copy_before",
+    "iter_stream_chunks",
+    "message_plan",
+    "packed_layout",
+]
 
 ALIGNMENT = 64
+COPY_STEP_NBYTES = 16 << 20  # a deadline is checked after each step of a long copy (a few ms here)
+_SLOW_COPY_BYTES_PER_S = 0.5e9  # a loaded machine's copy rate, for "surely done in time"
+
+
+def copy_before(out: np.ndarray, source: np.ndarray, deadline: float, what: str) -> None:
+    """Copy ``source`` into ``out`` (flat byte arrays of one size) before ``deadline``
+    (``time.monotonic()``), else raise ``TransferTimeoutError`` naming ``what`` (``out`` is
+    then partly written).
+
+    A copy that surely fits in the time left is one call (measured here: one 256 MiB
+    ``copyto`` 17-20 ms, the same in 16 MiB steps 26-29 ms); otherwise it goes in steps with
+    the deadline checked between them, so a short deadline fires within one step."""
+    left_s = deadline - time.monotonic()
+    if left_s <= 0:
+        raise TransferTimeoutError(f"{what}: not complete before the deadline (0 of {len(source)} bytes)")
+    if left_s > len(source) / _SLOW_COPY_BYTES_PER_S:
+        np.copyto(out, source)
+        return
+    for start in range(0, len(source), COPY_STEP_NBYTES):
+        if start and time.monotonic() >= deadline:
+            raise TransferTimeoutError(f"{what}: not complete before the deadline ({start} of {len(source)} bytes)")
+        np.copyto(out[start : start + COPY_STEP_NBYTES], source[start : start + COPY_STEP_NBYTES])
 
 
 def packed_layout(nbytes: Iterable[int]) -> tuple[list[int], int]:

@@ -34,6 +34,7 @@ import torch
 from tensorwire.errors import TransportError
 from tensorwire.transport import topology
 from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
+from tensorwire.transport.shutdown import CLOSE_TIMEOUT_S
 from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport
 
 __all__ = ["UcxTransport", "active_transports", "prefer_system_ucx"]
@@ -67,7 +68,18 @@ def active_transports(context_info: str) -> list[str]:
 
 
 class _Worker:
-    """The process's UCX context, worker and progress thread."""
+    """The process's UCX context, worker and progress thread.
+
+    The progress thread is tensorwire's own Python thread calling ``progress_worker_event``
+    (which releases the GIL while it waits on the worker's epoll descriptor, at most
+    ``_EPOLL_TIMEOUT_MS``), not ucxx's ``start_progress_thread``. ucxx stops its own thread by
+    queueing a callback that signals a condition variable on the stopping thread's stack and
+    waiting for it a bounded time (3 s); when the progress thread runs that callback only
+    after the wait gave up (a loaded machine), it signals a condition variable that no longer
+    exists and never returns, and the stop's ``join`` hangs for ever (seen in the suite:
+    ``WorkerProgressThread::stop`` in ``join``, the progress thread in ``pthread_cond_signal``).
+    Our thread stops by a flag it reads after every wait, so stopping it queues nothing.
+    """
 
     def __init__(self) -> None:
         # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer reads and warns about on stdout
@@ -80,12 +92,22 @@ class _Worker:
         self.array = Array
         self.context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self.worker = ucx_api.UCXWorker(self.context)
-        if torch.cuda.is_available():  # the progress thread needs a current CUDA context for device memory
-            self.worker.set_progress_thread_start_callback(_set_cuda_device, cb_args=(torch.cuda.current_device(),))
-        self.worker.start_progress_thread(polling_mode=False, epoll_timeout=_EPOLL_TIMEOUT_MS)
+        self.worker.init_blocking_progress_mode()
+        self._stop = threading.Event()
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._thread = threading.Thread(
+            target=self._progress, args=(device,), name="tensorwire-ucx-progress", daemon=True
+        )
+        self._thread.start()
         self.address = bytes(self.worker.address)
         self.transports = active_transports(self.context.info)
         logger.debug("ucx worker started; active UCX transports: %s", ", ".join(self.transports))
+
+    def _progress(self, device: int | None) -> None:
+        if device is not None:  # the progress thread needs a current CUDA context for device memory
+            torch.cuda.set_device(device)
+        while not self._stop.is_set():
+            self.worker.progress_worker_event(_EPOLL_TIMEOUT_MS)
 
     def endpoint(self, address: bytes) -> Any:
         remote = self.api.UCXAddress.create_from_buffer(address)
@@ -94,12 +116,13 @@ class _Worker:
     def buffer(self, tensor: torch.Tensor) -> Any:
         return self.array(tensor.numpy() if tensor.device.type == "cpu" else tensor)
 
-    def close(self) -> None:
-        self.worker.stop_progress_thread()
-
-
-def _set_cuda_device(index: int) -> None:
-    torch.cuda.set_device(index)
+    def close(self, *, timeout_s: float) -> bool:
+        """Stop the progress thread (endpoints are closed first, by the transport); returns
+        whether it stopped within ``timeout_s``. A thread that did not stop keeps this worker
+        (it is referenced by the thread), so its memory is never freed under it."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
 
 def _synchronize(buffers: Sequence[torch.Tensor]) -> None:
@@ -204,8 +227,9 @@ class UcxTransport(TwoSidedTransport):
         _synchronize(buffers)  # and writes it outside any stream
 
     def close(self) -> None:
+        """Close endpoints (cancelling their requests), then stop the progress thread; bounded."""
         super().close()
         with self._worker_lock:
             worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.close()
+        if worker is not None and not worker.close(timeout_s=CLOSE_TIMEOUT_S):
+            logger.warning("ucx: the progress thread did not stop within %.1f s; leaving it behind", CLOSE_TIMEOUT_S)

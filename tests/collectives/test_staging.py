@@ -7,11 +7,12 @@ import os
 import pytest
 import torch
 
+import tensorwire as tw
 from tensorwire.collectives.staging import RingReader, StagingRing
 from tensorwire.errors import TransportError
 from tensorwire.transport import topology
 from tensorwire.transport.base import PeerInfo
-from tensorwire.transport.shm import SHM_DIR
+from tests.helpers.observe import memfd_segments, segment_names
 
 
 @pytest.fixture
@@ -38,21 +39,32 @@ def test_buckets_read_back_bit_exact_into_contiguous_and_strided_targets(ring):
         reader.close()
 
 
-def test_segments_are_private_reserved_and_removed(ring):
-    for name in ring.names:
-        info = os.stat(os.path.join(SHM_DIR, name))
-        assert info.st_mode & 0o777 == 0o600
-        assert info.st_blocks * 512 >= ring.slot_nbytes  # pages reserved: no SIGBUS later
-    paths = [os.path.join(SHM_DIR, n) for n in ring.names]
-    ring.close()
-    assert not any(os.path.exists(p) for p in paths)
+def test_slots_are_anonymous_reserved_and_released():
+    me = PeerInfo("a", "n", "m", "h", os.getpid(), topology.process_start_time(os.getpid()))
+    before = memfd_segments({os.getpid()})
+    ring = StagingRing(me, 1 << 20)
+    held = memfd_segments({os.getpid()}) - before
+    assert len(held) == 2 and not segment_names()  # nothing named in /dev/shm
+    for mapping in ring._maps:
+        assert len(mapping) == ring.slot_nbytes
+    reader = RingReader()
+    try:
+        reader.read(ring.names[0], ring.slot_nbytes, [torch.zeros(4)])
+        ring.close()
+        assert memfd_segments({os.getpid()}) <= held  # the reader's mapping alone keeps its slot
+    finally:
+        reader.close()
+    assert not held & memfd_segments({os.getpid()})
 
 
 def test_misuse_is_refused(ring):
     with pytest.raises(ValueError, match="does not fit"):
         ring.write(0, [torch.zeros(1 << 20)])
     reader = RingReader()
-    with pytest.raises(TransportError, match="invalid shared-memory segment name"):
-        reader.read("../etc/passwd", 16, [torch.zeros(4)])
-    with pytest.raises(FileNotFoundError):
-        reader.read(ring.names[0][:-4] + "0000", 16, [torch.zeros(4)])
+    path, key, token = ring.names[0].split("|")
+    with pytest.raises(TransportError, match="invalid descriptor server address"):
+        reader.read(f"/etc/passwd|{key}|{token}", 16, [torch.zeros(4)])
+    with pytest.raises(tw.PermissionDeniedError):
+        reader.read(f"{path}|{key}|{'00' * 16}", 16, [torch.zeros(4)])
+    with pytest.raises(TransportError, match="no such segment"):
+        reader.read(f"{path}|{'00' * 16}|{token}", 16, [torch.zeros(4)])

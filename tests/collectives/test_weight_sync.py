@@ -3,7 +3,6 @@ mid-sync; bad input."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -15,18 +14,13 @@ import torch
 
 import tensorwire as tw
 from tensorwire.collectives.weight_sync import bucket_plan, checksum
-from tensorwire.transport.shm import SHM_DIR, segment_prefix
 from tests.collectives.actors import Holder
+from tests.helpers.observe import memfd_sizes
 
 
 def shm_bytes() -> int:
-    """Bytes in this user's tensorwire segments right now."""
-    total = 0
-    for name in os.listdir(SHM_DIR):
-        if name.startswith(segment_prefix()):
-            with contextlib.suppress(FileNotFoundError):
-                total += os.stat(os.path.join(SHM_DIR, name)).st_size
-    return total
+    """Bytes in tensorwire's shared-memory segments that this process tree keeps right now."""
+    return sum(memfd_sizes().values())
 
 
 class PeakSampler:

@@ -18,14 +18,66 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
 
 
 def segment_names() -> set[str]:
-    """This user's tensorwire shared-memory segments."""
-    from tensorwire.transport.shm import SHM_DIR, segment_prefix
-
+    """Anything of tensorwire's named in ``/dev/shm`` by this process or its descendants
+    (segments are anonymous now: always empty unless something regressed). Names used to be
+    ``tw-<uid>-<pid>-...``; other users of the machine (another checkout's tests) are ignored."""
+    prefix = f"tw-{os.getuid()}-"
     try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith(segment_prefix())}
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     except OSError:
         return set()
+    ours = _descendants(os.getpid()) if names else set()
+    return {n for n in names if n[len(prefix) :].split("-")[0] in {str(p) for p in ours}}
+
+
+def _descendants(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in found]
+        found.update(children)
+        frontier.extend(children)
+    return found
+
+
+def memfd_sizes(pids: set[int] | None = None) -> dict[int, int]:
+    """Tensorwire's anonymous segments that ``pids`` (default: this process and all its
+    descendants: spawned workers, a local Ray's workers) hold open or mapped: inode -> bytes
+    (the file size where a descriptor is open, else the mapped length)."""
+    sizes: dict[int, int] = {}
+    for pid in pids if pids is not None else _descendants(os.getpid()):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:tensorwire"):
+                        info = os.stat(f"/proc/{pid}/fd/{fd}")
+                        sizes[info.st_ino] = info.st_size
+                except OSError:
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    if "/memfd:tensorwire" in line:
+                        fields = line.split()
+                        low, high = (int(x, 16) for x in fields[0].split("-"))
+                        sizes.setdefault(int(fields[4]), high - low)
+        except OSError:
+            continue
+    return sizes
+
+
+def memfd_segments(pids: set[int] | None = None) -> set[int]:
+    """Inodes of the segments :func:`memfd_sizes` finds."""
+    return set(memfd_sizes(pids))
 
 
 def segment_count() -> int:
-    return len(segment_names())
+    """How many of tensorwire's shared-memory segments this process tree keeps alive."""
+    return len(memfd_segments())

@@ -12,6 +12,7 @@ import importlib
 import multiprocessing as mp
 import os
 import pickle
+import time
 import traceback
 from typing import Any
 
@@ -74,11 +75,29 @@ class Worker:
         self.send(target, *args, **kwargs)
         return self.result(timeout_s)
 
+    def exit(self, timeout_s: float = 20.0) -> tuple[float, int | None]:
+        """Ask the worker to return, so that its interpreter exits (atexit handlers: the
+        agent closes); the seconds until the process was gone and its exit code. A worker
+        still alive after ``timeout_s`` is killed and reported (exit code None)."""
+        start = time.monotonic()
+        with contextlib.suppress(OSError):
+            self._conn.send(None)
+        self.process.join(timeout_s)
+        elapsed = time.monotonic() - start
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+            return elapsed, None
+        self._conn.close()
+        return elapsed, self.process.exitcode
+
     def kill(self) -> None:
         self.process.kill()
         self.process.join(10)
 
     def close(self) -> None:
+        if self._conn.closed:
+            return
         if self.process.is_alive():
             with contextlib.suppress(OSError):
                 self._conn.send(None)

@@ -214,3 +214,8 @@ def put_and_describe_owner(nbytes: int) -> dict[str, str]:
     """Put a value; the transport facts its reference carries about this process."""
     ref = tw.put(torch.zeros(nbytes, dtype=torch.uint8))
     return dict(ref._desc.owner.transport_info)
+
+
+def put_value(value: Any) -> tw.Ref:
+    """Put ``value`` in this worker and keep it alive as long as its reference."""
+    return tw.put(value)

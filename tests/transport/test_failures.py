@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 from dataclasses import replace
@@ -70,15 +71,27 @@ def test_ref_freed_mid_transfer_is_complete_or_freed_never_partial(agent, worker
         tw.get(ref)
 
 
-@pytest.mark.parametrize("transport", ["host", "shm"])
+@pytest.mark.parametrize("transport", ["host", "shm", "ucx", "gloo", ""])
 def test_forged_token_is_denied(owner, transport):
-    ref, _ = owner.call("tests.helpers.tasks:put_and_return", 1 << 20)
-    forged_desc = replace(ref._desc, token=os.urandom(16))
-    forged = Ref(RefState(forged_desc, ref._skeleton_bytes, {}, b""))
+    """A reference whose token was changed, keeping every export handle it carries (the shm
+    segment's address included), reads nothing on any transport."""
+    ref, expected = owner.call("tests.helpers.tasks:put_and_return", 1 << 20)
+    pickle.dumps(ref)  # exported: the reference now carries the shm handle
+    state = ref._state
+    assert "shm" in state.handles
+    forged = Ref(state._replace(desc=replace(ref._desc, token=os.urandom(16)), pin_id=b""))
     with pytest.raises(tw.PermissionDeniedError):
         tw.get(forged, transport=transport)
-    got = tw.get(ref, transport=transport)  # the real reference still works
-    assert got.numel() == 1 << 20
+    assert digest(tw.get(ref, transport=transport)) == expected  # the real reference still works
+
+
+def test_forged_token_is_denied_in_the_owner_process(agent):
+    value = torch.arange(100_000)
+    ref = tw.put(value)
+    forged = Ref(ref._state._replace(desc=replace(ref._desc, token=os.urandom(16)), pin_id=b""))
+    with pytest.raises(tw.PermissionDeniedError):
+        tw.get(forged, out=torch.empty_like(value))
+    assert torch.equal(tw.get(ref, out=torch.empty_like(value)), value)
 
 
 def test_stalled_owner_hits_the_deadline(owner):

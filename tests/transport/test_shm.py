@@ -1,48 +1,103 @@
-"""shm specifics: private segments, cleanup on free and after SIGKILL, full /dev/shm."""
+"""shm specifics: anonymous segments handed out only for the token, freed with their
+holders (SIGKILL included), nothing named in /dev/shm, out of memory."""
 
 from __future__ import annotations
 
 import errno
 import os
 import pickle
-import stat
+import socket
+import struct
+import time
 
 import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.transport import shm
-from tests.helpers.observe import segment_names
+from tensorwire.transport import memfd, shm
+from tests.helpers.observe import memfd_segments, segment_names, wait_until
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
 
-def test_segment_is_private_and_unlinked_on_free(agent):
-    before = segment_names()
-    ref = tw.put(torch.randn(100_000))
-    pickle.dumps(ref)  # leaving the process exports the segment
-    new = segment_names() - before
+def test_segment_is_anonymous_and_closed_on_free(agent, worker):
+    before = memfd_segments({os.getpid()})
+    named_before = segment_names()
+    value = torch.randn(100_000)
+    ref = tw.put(value)
+    blob = pickle.dumps(ref)  # leaving the process exports the segment
+    new = memfd_segments({os.getpid()}) - before
     assert len(new) == 1
-    (name,) = new
-    info = os.stat(os.path.join(shm.SHM_DIR, name))
-    assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()
-    assert len(name.rsplit("-", 1)[1]) == 32  # 128 random bits
+    assert segment_names() == named_before  # nothing named in /dev/shm while the object lives
+    assert worker.call("tests.helpers.tasks:get_transport", pickle.loads(blob)) == (digest(value), "shm")
     tw.free(ref)
-    assert segment_names() == before
+    assert memfd_segments({os.getpid()}) == before
 
 
-def test_segments_of_a_killed_producer_are_removed_by_the_next_agent():
+def test_forged_token_reads_nothing_over_shm(agent, worker):
+    value = torch.full((100_000,), 5, dtype=torch.uint8)
+    ref = tw.put(value)
+    blob = pickle.dumps(ref)
+    forged_blob = blob.replace(ref._desc.token, bytes(len(ref._desc.token)))
+    assert forged_blob != blob
+    forged = worker.call("tests.helpers.tasks:get_error", pickle.loads(forged_blob), transport="shm")
+    assert forged == "PermissionDeniedError"
+    assert worker.call("tests.helpers.tasks:get_digest", pickle.loads(blob), transport="shm") == digest(value)
+
+
+def test_descriptor_server_refuses_wrong_tokens_and_malformed_requests(tmp_path):
+    server = memfd.FdServer(str(tmp_path))
+    client = memfd.FdClient()
+    try:
+        fd = memfd.create_memfd(4096)
+        os.pwrite(fd, b"abc", 0)
+        server.offer(b"k" * 16, b"t" * 16, fd, 4096)
+        deadline = time.monotonic() + 10
+        got, nbytes = client.receive(server.path, b"k" * 16, b"t" * 16, deadline=deadline)
+        assert (os.pread(got, 3, 0), nbytes) == (b"abc", 4096)
+        os.close(got)
+        with pytest.raises(tw.PermissionDeniedError):
+            client.receive(server.path, b"k" * 16, b"x" * 16, deadline=deadline)
+        with pytest.raises(memfd.SegmentUnknownError):
+            client.receive(server.path, b"?" * 16, b"t" * 16, deadline=deadline)
+        for junk in (b"GET / HTTP/1.1\r\n\r\n", b"TWFD\x01" + struct.pack("!H", 9999), b"TWFD\x01\x00"):
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            raw.settimeout(10)
+            raw.connect(server.path)
+            raw.sendall(junk)
+            if junk.endswith(b"\x00"):
+                raw.shutdown(socket.SHUT_WR)  # truncated: the server ends the connection
+            reply = raw.recv(64)
+            raw.close()
+            assert reply in (struct.pack("!BQ", memfd.FdStatus.BAD_REQUEST, 0), b"")
+        got, _ = client.receive(server.path, b"k" * 16, b"t" * 16, deadline=deadline)  # still serving
+        os.close(got)
+        server.withdraw(b"k" * 16)
+        with pytest.raises(memfd.SegmentUnknownError):
+            client.receive(server.path, b"k" * 16, b"t" * 16, deadline=deadline)
+    finally:
+        client.close()
+        server.close()
+    assert not os.path.exists(server.path)
+
+
+def test_a_killed_producer_leaves_no_memory_behind():
     w = Worker()
     try:
         ref = w.call("tests.helpers.tasks:put_filled", 1 << 20)
-        pickle.dumps(ref)
-        names = {n for n in segment_names() if n.startswith(f"{shm.segment_prefix()}{w.pid}-")}
-        assert len(names) == 1
+        pickle.dumps(ref)  # the worker exported a segment for this reference
+        held = memfd_segments({w.pid})
+        assert len(held) >= 1
         w.kill()
-        assert shm.remove_orphan_segments() >= 1
-        assert not names & segment_names()
+        # The kernel frees an anonymous segment with its last holder: no process keeps it.
+        assert wait_until(lambda: not held & memfd_segments(_all_pids()))
+        assert not segment_names()
     finally:
         w.close()
+
+
+def _all_pids() -> set[int]:
+    return {int(p) for p in os.listdir("/proc") if p.isdigit()}
 
 
 def test_full_dev_shm_falls_back_to_a_two_sided_transport_with_a_warning(agent, worker, monkeypatch):

@@ -1,0 +1,102 @@
+"""Start, transfer, exit: processes never hang on the way out, over every transport that runs here."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.helpers.procs import Worker
+from tests.helpers.tasks import digest
+
+CYCLES = 30
+EXIT_WITHIN_S = 20.0
+SAME_NODE = ("shm", "host", "gloo", "ucx")
+CROSS_NODE = ("host", "gloo", "ucx")
+
+
+def _usable(names: tuple[str, ...]) -> tuple[str, ...]:
+    if importlib.util.find_spec("ucxx") is None:
+        pytest.skip("ucxx is not installed (pip install 'tensorwire[ucx]'); the ucx cycles need it")
+    return names
+
+
+def test_thirty_start_transfer_exit_cycles_each_exit_promptly():
+    """Odd cycles: two processes of one node, every same-node transport; even cycles: two
+    claimed nodes, every cross-node transport. Each process must exit by itself (exit code 0)
+    within the bound after its transfers, whatever native library it used."""
+    import torch
+
+    value = torch.arange(300_000, dtype=torch.int32)  # 1.2 MB: beyond inline, several messages
+    expected = digest(value)
+    exits: list[float] = []
+    for cycle in range(CYCLES):
+        cross = cycle % 2 == 1
+        transports = _usable(CROSS_NODE if cross else SAME_NODE)
+        env = {"TENSORWIRE_NODE_ID": f"exit-b-{cycle}"} if cross else {}
+        producer, consumer = Worker({"TENSORWIRE_NODE_ID": f"exit-a-{cycle}"} if cross else {}), Worker(env)
+        try:
+            ref = producer.call("tests.helpers.tasks:put_value", value)
+            for transport in transports:
+                got, used = consumer.call("tests.helpers.tasks:get_transport", ref, transport=transport)
+                assert (got, used) == (expected, transport), f"cycle {cycle}: {transport}"
+            del ref
+            for name, worker in (("consumer", consumer), ("producer", producer)):
+                elapsed, code = worker.exit(EXIT_WITHIN_S)
+                assert code == 0, f"cycle {cycle}: the {name} did not exit by itself within {EXIT_WITHIN_S} s"
+                exits.append(elapsed)
+        finally:
+            producer.close()
+            consumer.close()
+    assert len(exits) == 2 * CYCLES
+
+
+def test_a_test_stuck_where_signals_cannot_reach_is_reported_by_name(tmp_path):
+    """The suite's per-test timeout (pytest-timeout, thread method) ends a test that no signal
+    can interrupt and names it, instead of letting the run hang."""
+    test_file = tmp_path / "test_stuck.py"
+    test_file.write_text(
+        textwrap.dedent(
+            """
+            import signal, time
+
+            def test_stuck_in_native_wait():
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # the signal method cannot fire
+                time.sleep(600)
+            """
+        )
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    start = time.monotonic()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(test_file),
+            "-c",
+            os.path.join(root, "pyproject.toml"),
+            "--rootdir",
+            str(tmp_path),
+            "-o",
+            "timeout=3",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    elapsed = time.monotonic() - start
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "Timeout" in output and "test_stuck_in_native_wait" in output, output[-2000:]
+    assert elapsed < 100, f"the stuck test was only ended after {elapsed:.0f} s"
