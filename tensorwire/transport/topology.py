@@ -317,7 +317,7 @@ def _transport_libraries() -> dict[str, str]:
 
 def describe_node() -> dict[str, object]:
     """This node's facts as plain data (JSON-ready). Never raises; missing facts give reasons."""
-    from tensorwire.transport.accelerators import VENDORS, visible_ids
+    from tensorwire.transport.accelerators import VENDORS, deciding_variable, furiosa_partition, visible_ids
 
     accelerators: dict[str, object] = {}
     for vendor in VENDORS.values():
@@ -329,9 +329,15 @@ def describe_node() -> dict[str, object]:
         entry: dict[str, object] = {
             "resource": vendor.resource,
             "visibility_env": list(vendor.visibility_env),
+            "visible_from": deciding_variable(vendor),
             "visible": ids,
             "torch_device": vendor.torch_device,
+            "fractional": vendor.fractional,
+            "id_form": vendor.id_form,
         }
+        if vendor.name == "furiosa" and ids:
+            parts = (furiosa_partition(f"npu:{token}") for token in ids)
+            entry["partitions"] = [{"device": device, "pes": list(pes)} for device, pes in parts]
         if vendor.name == "nvidia":
             entry.update(_nvidia(ids))
         elif ids is None:
