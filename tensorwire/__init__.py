@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from tensorwire import errors
 from tensorwire.errors import (
+    DeviceUnavailableError,
     NoTransportError,
     ObjectFreedError,
     OwnerDiedError,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeviceUnavailableError",
     "NoTransportError",
     "ObjectFreedError",
     "OwnerDiedError",

@@ -1,4 +1,5 @@
-"""``tensorwire`` command line: ``tensorwire topo [--json] [--address ADDR]``, ``tensorwire doctor``."""
+"""``tensorwire`` command line: ``tensorwire topo [--json] [--address ADDR]``, ``tensorwire doctor``,
+``tensorwire bench``, ``tensorwire --version``."""
 
 from __future__ import annotations
 
@@ -59,7 +60,14 @@ def _print_report(report: dict[str, Any]) -> None:
             print(f"    {name}: {entry['error']}")
             continue
         visible = "all" if entry["visible"] is None else ",".join(entry["visible"]) or "none"
-        print(f"    {name} (Ray resource {entry['resource']}, {'/'.join(entry['visibility_env'])}={visible})")
+        variable = entry.get("visible_from") or "/".join(entry["visibility_env"])
+        fraction = "fractional resources: " + ("yes" if entry.get("fractional") else "no, whole devices only")
+        print(f"    {name} (Ray resource {entry['resource']}, {variable}={visible}; {fraction})")
+        if entry.get("id_form"):
+            print(f"      device ids: {entry['id_form']}")
+        for part in entry.get("partitions", []):
+            pes = ",".join(str(pe) for pe in part["pes"])
+            print(f"      npu {part['device']}: {'PEs ' + pes if pes else 'whole device'}")
         for device in entry.get("devices", []):
             print(
                 f"      #{device['index']} {device['uuid']} pci {device['pci_bus_id']}"
@@ -293,8 +301,21 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.set_defaults(iters_given=False)
 
 
+def _version() -> str:
+    """The installed distribution's version (package metadata), else the source tree's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tensorwire")
+    except metadata.PackageNotFoundError:
+        import tensorwire
+
+        return f"{tensorwire.__version__} (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tensorwire", description="tensorwire tools")
+    parser.add_argument("--version", action="version", version=f"tensorwire {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     topo = commands.add_parser("topo", help="accelerators, links, NICs and transports of this node or a Ray cluster")
     topo.add_argument("--json", action="store_true", help="print JSON")

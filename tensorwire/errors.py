@@ -8,6 +8,8 @@ how to fix it.
 from __future__ import annotations
 
 __all__ = [
+    "DeviceUnavailableError",
+    "LargeReferenceWarning",
     "NoTransportError",
     "ObjectFreedError",
     "OwnerDiedError",
@@ -23,6 +25,11 @@ __all__ = [
 
 class TensorwireError(Exception):
     """Base class of every tensorwire error."""
+
+
+class DeviceUnavailableError(TensorwireError, ValueError):
+    """A device asked for (``device="cuda:3"``) is not one this process can use; also a
+    ``ValueError``, as bad input for this machine."""
 
 
 class TransportError(TensorwireError):
@@ -59,3 +66,8 @@ class OwnerDiedError(TensorwireError):
 
 class PermissionDeniedError(TensorwireError):
     """A request presented a wrong capability token or cluster token."""
+
+
+class LargeReferenceWarning(UserWarning):
+    """A value's non-tensor part makes its reference large (``TENSORWIRE_REF_WARN_NBYTES``):
+    it is pickled into every copy of the reference instead of moving by reference."""

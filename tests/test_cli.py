@@ -38,9 +38,44 @@ def test_topo_json_describes_this_node():
 
 def test_topo_text_names_vendors_and_visibility():
     out = run_cli("topo", env={"HABANA_VISIBLE_MODULES": "2,3", "CUDA_VISIBLE_DEVICES": ""})
-    assert "intel_gaudi (Ray resource HPU, HABANA_VISIBLE_MODULES=2,3)" in out
+    assert "intel_gaudi (Ray resource HPU, HABANA_VISIBLE_MODULES=2,3; fractional resources: no" in out
     assert "CUDA_VISIBLE_DEVICES=none" in out
     assert "transports: local (usable)" in out
+
+
+def test_topo_shows_vendor_facts():
+    env = {
+        "ONEAPI_DEVICE_SELECTOR": "level_zero:0,1",
+        "FURIOSA_DEVICES": "npu:0,npu:1:0-3",
+        "QBRUNTIME_VISIBLE_DEVICES": "0",
+    }
+    (report,) = json.loads(run_cli("topo", "--json", env=env))
+    accelerators = report["accelerators"]
+    intel = accelerators["intel_gpu"]
+    assert intel["visible_from"] == "ONEAPI_DEVICE_SELECTOR" and intel["visible"] == ["0", "1"]
+    assert intel["fractional"] is True and intel["resource"] == "GPU"
+    furiosa = accelerators["furiosa"]
+    assert furiosa["fractional"] is False and "npu:X:Y" in furiosa["id_form"]
+    assert furiosa["partitions"] == [{"device": 0, "pes": []}, {"device": 1, "pes": [0, 1, 2, 3]}]
+    assert accelerators["mobilint"]["resource"] == "MBLT" and accelerators["mobilint"]["fractional"] is False
+    assert accelerators["nvidia"]["fractional"] is True
+    out = run_cli("topo", env=env)
+    assert "intel_gpu (Ray resource GPU, ONEAPI_DEVICE_SELECTOR=0,1; fractional resources: yes)" in out
+    furiosa = "furiosa (Ray resource FURIOSA, FURIOSA_DEVICES=0,1:0-3; fractional resources: no, whole devices only)"
+    assert furiosa in out
+    assert "npu 0: whole device" in out and "npu 1: PEs 0,1,2,3" in out
+    assert "mobilint (Ray resource MBLT, QBRUNTIME_VISIBLE_DEVICES=0; fractional resources: no" in out
+
+
+def test_topo_reports_a_selector_it_cannot_read():
+    (report,) = json.loads(run_cli("topo", "--json", env={"ONEAPI_DEVICE_SELECTOR": "!level_zero:1"}))
+    assert "does not interpret discard filters" in report["accelerators"]["intel_gpu"]["error"]
+
+
+def test_version_comes_from_package_metadata():
+    from importlib import metadata
+
+    assert run_cli("--version") == f"tensorwire {metadata.version('tensorwire')}\n"
 
 
 def run_doctor(env: dict[str, str] | None = None) -> tuple[int, list[dict[str, str]]]:

@@ -79,10 +79,15 @@ def put(value: Any) -> Ref:
         TypeError: Unsupported tensors (sparse, quantized, nested, object arrays), tensors
             hidden in objects that are not walked, or non-tensor parts that cannot be pickled.
         ValueError: A reference cycle in ``value``.
+
+    Warns:
+        LargeReferenceWarning: Once per process, when the non-tensor parts pickle to more than
+            ``TENSORWIRE_REF_WARN_NBYTES`` (default 1 MiB).
     """
     skeleton, tensors, kinds = values.flatten(value)
     skeleton_bytes = values.dumps_skeleton(skeleton)
     desc = register_tensors(tensors, kinds)
+    values.warn_large_skeleton(len(skeleton_bytes), runtime_agent().config.ref_warn_nbytes)
     return Ref(RefState(desc, skeleton_bytes, {}, b""), skeleton)
 
 
@@ -288,10 +293,13 @@ def get(
         ObjectFreedError: The object was freed. OwnerDiedError: its owner exited.
         PeerLostError: The owner did not answer. PermissionDeniedError: forged reference.
         NoTransportError: No (or the forced) transport can serve. ValueError: ``out`` does
-            not match. TransferTimeoutError: the deadline passed.
+            not match. TransferTimeoutError: the deadline passed. DeviceUnavailableError
+            (a ValueError): ``device`` is not one this process sees.
     """
     if timeout_s is not None:
         timeout_s = validate_timeout(timeout_s)
+    if device is not None:
+        device = topology.checked_device(device)  # before any transfer starts
     if isinstance(ref, (list, tuple)):
         outs = list(out) if out is not None else [None] * len(ref)
         if len(outs) != len(ref):

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import io
 import pickle
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -21,9 +22,20 @@ import cloudpickle
 import numpy as np
 import torch
 
+from tensorwire.errors import LargeReferenceWarning
 from tensorwire.transport.base import TensorKind
 
-__all__ = ["DESCEND", "Slot", "dumps_skeleton", "flatten", "map_container", "match_out", "transform", "unflatten"]
+__all__ = [
+    "DESCEND",
+    "Slot",
+    "dumps_skeleton",
+    "flatten",
+    "map_container",
+    "match_out",
+    "transform",
+    "unflatten",
+    "warn_large_skeleton",
+]
 
 
 class Slot:
@@ -250,3 +262,27 @@ def dumps_skeleton(skeleton: Any) -> bytes:
     except Exception as e:
         raise TypeError(f"the value's non-tensor parts cannot be pickled: {type(e).__name__}: {e}") from e
     return buffer.getvalue()
+
+
+_large_warned = False
+_large_lock = threading.Lock()
+
+
+def warn_large_skeleton(nbytes: int, limit_nbytes: int) -> None:
+    """Warn (once per process) that a pickled skeleton of ``nbytes`` is over ``limit_nbytes``
+    (0: never warn); later large values of this process pass silently."""
+    global _large_warned
+    if not limit_nbytes or nbytes <= limit_nbytes:
+        return
+    with _large_lock:
+        if _large_warned:
+            return
+        _large_warned = True
+    warnings.warn(
+        f"this value's non-tensor part pickles to {nbytes / 2**20:.1f} MiB ({nbytes} bytes, over "
+        f"TENSORWIRE_REF_WARN_NBYTES={limit_nbytes}): it travels inside every copy of the reference, "
+        "through Ray with each call. Hold bulk data in tensors or numpy arrays (e.g. return "
+        "torch.tensor(a_list) instead of the list) so it moves by reference. Warned once per process.",
+        LargeReferenceWarning,
+        stacklevel=3,
+    )

@@ -64,6 +64,8 @@ class Config:
         host: Address the TCP control service binds to (``TENSORWIRE_HOST``, default
             127.0.0.1; the Ray runtime sets the node's address).
         chunk_nbytes: Chunk size of streamed (two-sided) transfers.
+        ref_warn_nbytes: ``put`` warns once per process when a value's non-tensor parts
+            pickle to more than this, 0 never (``TENSORWIRE_REF_WARN_NBYTES``, default 1 MiB).
     """
 
     inline_max_nbytes: int = 32 * 1024
@@ -75,6 +77,7 @@ class Config:
     holder_lost_after_s: float = 30.0
     host: str = "127.0.0.1"
     chunk_nbytes: int = 4 * 1024 * 1024
+    ref_warn_nbytes: int = 1024 * 1024
 
     @classmethod
     def from_env(cls) -> Config:
@@ -88,4 +91,5 @@ class Config:
             holder_lost_after_s=_env_float("TENSORWIRE_HOLDER_LOST_S", cls.holder_lost_after_s),
             host=os.environ.get("TENSORWIRE_HOST", "").strip() or cls.host,
             chunk_nbytes=_env_int("TENSORWIRE_CHUNK_NBYTES", cls.chunk_nbytes) or cls.chunk_nbytes,
+            ref_warn_nbytes=_env_int("TENSORWIRE_REF_WARN_NBYTES", cls.ref_warn_nbytes),
         )

@@ -9,10 +9,15 @@ import contextlib
 import functools
 import os
 import socket
+from typing import TYPE_CHECKING, Any
 
+from tensorwire.errors import DeviceUnavailableError
 from tensorwire.transport.base import DeviceInfo
 
-__all__ = ["machine_id", "node_id", "process_alive", "process_start_time", "visible_devices"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["checked_device", "machine_id", "node_id", "process_alive", "process_start_time", "visible_devices"]
 
 NODE_ID_ENV = "TENSORWIRE_NODE_ID"
 
@@ -90,6 +95,53 @@ def visible_devices() -> tuple[DeviceInfo, ...]:
     except Exception:  # noqa: BLE001 - discovery must never fail the caller
         pass
     return tuple(devices)
+
+
+def _backend_devices(kind: str) -> list[str]:
+    """``kind:0``... for every device of a torch backend (cuda, xpu, mps) this process sees."""
+    import torch
+
+    module = getattr(torch, kind, None)
+    try:
+        if module is None or not module.is_available():
+            return []
+        return [f"{kind}:{i}" for i in range(module.device_count())]
+    except Exception:  # noqa: BLE001 - a broken backend sees nothing
+        return []
+
+
+def checked_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device``, checked to be one this process can place tensors on.
+
+    CPU and meta always pass; ``cuda``/``xpu``/``mps`` need such a device (with an index: one
+    that exists); other types (``hpu``, ``npu``, ...) are left to their torch plug-in.
+
+    Raises:
+        DeviceUnavailableError: ``device`` is not a device string torch knows, or names a
+            device this process does not see (the message lists the ones it does).
+    """
+    import torch
+
+    try:
+        target = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise DeviceUnavailableError(f"device={device!r} is not a device torch can use here: {e}") from e
+    if target.type not in ("cuda", "xpu", "mps"):
+        return target
+    present = _backend_devices(target.type)
+    if present and (target.index is None or target.index < len(present)):
+        return target
+    visible = ["cpu"] + [d for kind in ("cuda", "xpu", "mps") for d in _backend_devices(kind)]
+    why = f"this process sees {len(present)} {target.type} device(s)"
+    if target.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            why = f"torch {torch.__version__} was built without CUDA"
+        elif "CUDA_VISIBLE_DEVICES" in os.environ:
+            why += f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r})"
+    raise DeviceUnavailableError(
+        f"device={device!r} is not available here: {why}; visible: {', '.join(visible)}. "
+        "Pass one of those, or leave device unset to land where the producer had the tensors (else the CPU)"
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -317,7 +369,7 @@ def _transport_libraries() -> dict[str, str]:
 
 def describe_node() -> dict[str, object]:
     """This node's facts as plain data (JSON-ready). Never raises; missing facts give reasons."""
-    from tensorwire.transport.accelerators import VENDORS, visible_ids
+    from tensorwire.transport.accelerators import VENDORS, deciding_variable, furiosa_partition, visible_ids
 
     accelerators: dict[str, object] = {}
     for vendor in VENDORS.values():
@@ -329,9 +381,15 @@ def describe_node() -> dict[str, object]:
         entry: dict[str, object] = {
             "resource": vendor.resource,
             "visibility_env": list(vendor.visibility_env),
+            "visible_from": deciding_variable(vendor),
             "visible": ids,
             "torch_device": vendor.torch_device,
+            "fractional": vendor.fractional,
+            "id_form": vendor.id_form,
         }
+        if vendor.name == "furiosa" and ids:
+            parts = (furiosa_partition(f"npu:{token}") for token in ids)
+            entry["partitions"] = [{"device": device, "pes": list(pes)} for device, pes in parts]
         if vendor.name == "nvidia":
             entry.update(_nvidia(ids))
         elif ids is None:
