@@ -37,7 +37,7 @@ from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
 from tensorwire.transport.shutdown import CLOSE_TIMEOUT_S
 from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport
 
-__all__ = ["UcxTransport", "active_transports", "prefer_system_ucx"]
+__all__ = ["UcxTransport", "active_transports", "prefer_system_ucx", "ucx_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,17 @@ def prefer_system_ucx(
         logger.info("ucx: RDMA NICs %s and a system UCX (%s) found: preferring it", ", ".join(nics), library)
         return True
     return False
+
+
+def ucx_config(env: MutableMapping[str, str]) -> dict[str, str]:
+    """UCX settings tensorwire asks for; a user's ``UCX_TLS`` is kept.
+
+    ``cma`` (the consumer reads the producer's memory with ``process_vm_readv``) is left out:
+    with endpoint error handling off, a producer that dies while ``cma`` reads its memory makes
+    UCX abort the *consumer* process (seen in the failure tests), and a failed transfer must
+    never kill the processes involved. UCX's shared-memory transports (``posix``, ``sysv``)
+    still serve one node; across nodes nothing changes."""
+    return {} if "UCX_TLS" in env else {"TLS": "^cma"}
 
 
 def active_transports(context_info: str) -> list[str]:
@@ -85,12 +96,17 @@ class _Worker:
         # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer reads and warns about on stdout
         # (breaking machine-readable output); a user's own setting is kept.
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        # UCX logs to stdout by default (e.g. "Connection reset by remote peer" when an
+        # endpoint of a peer that exited is closed): keep stdout for the program's own output.
+        os.environ.setdefault("UCX_LOG_FILE", "stderr")
         from ucxx._lib import libucxx as ucx_api
         from ucxx._lib.arr import Array
 
         self.api = ucx_api
         self.array = Array
-        self.context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self.context = ucx_api.UCXContext(
+            config_dict=ucx_config(os.environ), feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
+        )
         self.worker = ucx_api.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
         self._stop = threading.Event()

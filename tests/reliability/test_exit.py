@@ -14,7 +14,6 @@ import pytest
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
-CYCLES = 30
 EXIT_WITHIN_S = 20.0
 SAME_NODE = ("shm", "host", "gloo", "ucx")
 CROSS_NODE = ("host", "gloo", "ucx")
@@ -26,16 +25,18 @@ def _usable(names: tuple[str, ...]) -> tuple[str, ...]:
     return names
 
 
-def test_thirty_start_transfer_exit_cycles_each_exit_promptly():
-    """Odd cycles: two processes of one node, every same-node transport; even cycles: two
-    claimed nodes, every cross-node transport. Each process must exit by itself (exit code 0)
-    within the bound after its transfers, whatever native library it used."""
+@pytest.mark.parametrize("cycles", [pytest.param(30, marks=pytest.mark.slow), 10])
+def test_start_transfer_exit_cycles_each_exit_promptly(cycles):
+    """30 cycles (``-m slow``; about 2 minutes here) or 10 (the default suite). Odd cycles:
+    two processes of one node, every same-node transport; even cycles: two claimed nodes,
+    every cross-node transport. Each process must exit by itself (exit code 0) within the
+    bound after its transfers, whatever native library it used."""
     import torch
 
     value = torch.arange(300_000, dtype=torch.int32)  # 1.2 MB: beyond inline, several messages
     expected = digest(value)
     exits: list[float] = []
-    for cycle in range(CYCLES):
+    for cycle in range(cycles):
         cross = cycle % 2 == 1
         transports = _usable(CROSS_NODE if cross else SAME_NODE)
         env = {"TENSORWIRE_NODE_ID": f"exit-b-{cycle}"} if cross else {}
@@ -53,7 +54,7 @@ def test_thirty_start_transfer_exit_cycles_each_exit_promptly():
         finally:
             producer.close()
             consumer.close()
-    assert len(exits) == 2 * CYCLES
+    assert len(exits) == 2 * cycles
 
 
 def test_a_test_stuck_where_signals_cannot_reach_is_reported_by_name(tmp_path):
