@@ -18,6 +18,7 @@ __all__ = [
     "TransferTimeoutError",
     "TransportError",
     "TransportUnavailableError",
+    "UnresolvedRefError",
 ]
 
 
@@ -59,3 +60,7 @@ class OwnerDiedError(TensorwireError):
 
 class PermissionDeniedError(TensorwireError):
     """A request presented a wrong capability token or cluster token."""
+
+
+class UnresolvedRefError(TensorwireError, TypeError):
+    """A tensorwire reference reached code that used it as its value (fetch it with ``tw.get``)."""

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorwire.runtime import values
-from tensorwire.runtime.pending import Pending
+from tensorwire.runtime.pending import pending_ref
 from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.runtime.ref import Ref, RefState
+from tensorwire.runtime.ray_env import configure_process, configured, mark_async_actor
+from tensorwire.runtime.ref import Ref
 
-__all__ = ["HOOK_METHOD", "ActorClass", "ActorHandle", "ActorMethod", "MethodOptions", "RemoteFunction", "method",
-           "passthrough", "remote"]  # fmt: skip
+__all__ = ["HOOK_METHOD", "ActorClass", "ActorHandle", "ActorMethod", "MethodOptions", "RemoteFunction",
+           "check_transport", "get_actor", "make_handle", "method", "passthrough", "remote"]  # fmt: skip
 
 _METHOD_ATTR = "__tensorwire_method__"
 _CALL_KWARG = "__tw_call__"
@@ -65,7 +66,7 @@ def _lift_pending(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, d
             return values.DESCEND
         pending = item._pending
         if item._state is not None or pending is None or pending.staged:
-            return item
+            return _as_plain(item)
         reduced = pending.reduce()  # a new transit pin, announced when this process resolves
         if reduced is None:
             return item  # resolved meanwhile: travels as a direct reference
@@ -77,6 +78,17 @@ def _lift_pending(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, d
     for index, object_ref in enumerate(lifted):
         new_kwargs[f"{_LIFTED_PREFIX}{index}"] = object_ref
     return new_args, new_kwargs
+
+
+def _as_plain(ref: Ref) -> Ref:
+    """``ref`` as an argument that pickles as a tensorwire reference: a resolved result of a
+    Ray call is also a ``ray.ObjectRef``, which Ray would pass by its id instead. (No hold of
+    its own: the copy lives only while the call's arguments are pickled.)"""
+    if type(ref) is Ref or ref._state is None:
+        return ref  # staged results do go by their id: Ray delivers the value
+    plain = Ref.__new__(Ref)
+    plain.__dict__.update(_state=ref._state, _skeleton=ref._skeleton, _pending=None, _moved_by="")
+    return plain
 
 
 @dataclass(frozen=True)
@@ -109,9 +121,10 @@ def method(
     them in place before a consumer fetches, the consumer sees the change. Use
     ``snapshot=True`` to hand out a copy taken when the method returns.
     """
-    if not isinstance(transport, str):
-        raise TypeError(f"transport must be a transport name, got {type(transport).__name__}")
-    options = MethodOptions(by_ref=True, transport=transport, resolve=resolve, snapshot=snapshot)
+    name = check_transport(transport, "@tw.method(transport=...)")
+    if name is None:
+        raise ValueError("@tw.method(transport='object_store') is a plain method: leave out @tw.method")
+    options = MethodOptions(by_ref=True, transport=name, resolve=resolve, snapshot=snapshot)
 
     def mark(target: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(target):
@@ -120,6 +133,32 @@ def method(
         return target
 
     return mark(fn) if fn is not None else mark
+
+
+def check_transport(name: Any, what: str) -> str | None:
+    """A transport name as given to ``@tw.method`` or ``.options``, checked now rather than at
+    fetch time: "" for automatic ("" or "auto"), None for Ray's "object_store" (not by
+    reference), else a registered name (Ray's upper-case spellings accepted).
+
+    Raises:
+        TypeError: Not a string. ValueError: Not a registered transport.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"{what}: a transport name is a string, got {type(name).__name__}")
+    key = name.strip().lower()
+    if key in ("", "auto"):
+        return ""
+    if key == "object_store":
+        return None
+    from tensorwire.transport import registry
+
+    known = registry.registered_transports()
+    if key not in known:
+        raise ValueError(
+            f"{what}: {name!r} is not a tensorwire transport; available: {', '.join(known)}, 'auto' "
+            "(or 'object_store' for a plain return through Ray)"
+        )
+    return key
 
 
 class passthrough:
@@ -149,6 +188,7 @@ def _actor_device() -> Any:
 def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict[str, Any], resolve: bool) -> Any:
     """``args``/``kwargs`` with Refs replaced by their values (fetched concurrently)."""
     from tensorwire.runtime.api import get
+    from tensorwire.runtime.raycompat import Arrived, state_of
 
     states = {int(k[len(_LIFTED_PREFIX) :]): kwargs.pop(k) for k in list(kwargs) if k.startswith(_LIFTED_PREFIX)}
     found: list[Ref] = []
@@ -156,13 +196,15 @@ def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict
     def as_ref(item: Any) -> Any:
         if not isinstance(item, _Lifted):
             return item
-        state = RefState.from_bytes(states[item.index])  # Ray delivered the call's state with this call
+        state = state_of(states[item.index])  # Ray delivered the call's state with this call
         return Ref(state._replace(pin_id=item.pin_id, transport=item.transport or state.transport))
 
     def leaf(item: Any, _path: str) -> Any:
         if isinstance(item, passthrough):
             return as_ref(item.ref)
         item = as_ref(item)
+        if isinstance(item, Arrived):  # a reference Ray resolved as a top-level argument
+            item = Ref(item.state._replace(pin_id=b""))
         if isinstance(item, Ref):
             if not resolve:
                 return item
@@ -181,15 +223,39 @@ def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict
     return values.unflatten(skeleton, fetched)
 
 
-def _publish(result: Any, options: MethodOptions) -> bytes:
+def _publish(result: Any, transport: str, snapshot: bool) -> Any:
     """Producer: register the method's value and return the state that travels through Ray."""
     from tensorwire.runtime.api import put
+    from tensorwire.runtime.raycompat import Published
 
-    if options.snapshot:
+    if snapshot:
         skeleton, tensors, _ = values.flatten(result)
         result = values.unflatten(skeleton, [t.clone() for t in tensors])
     state = put(result)._outgoing_state()  # pinned until the caller registers
-    return state._replace(transport=options.transport).to_bytes()
+    return Published(state._replace(transport=transport).to_bytes())
+
+
+def _returns_by_ref(options: MethodOptions, call: dict[str, Any]) -> tuple[bool, str]:
+    """Whether this call returns by reference (the method's mark, or ``.options(tensor_transport=)``)."""
+    return call.get("by_ref", options.by_ref), call.get("ref_transport", options.transport)
+
+
+def _decorate_invocation(options: MethodOptions, invocation: Callable[..., Any]) -> Callable[..., Any]:
+    """Ray's invocation decorator of every method of a tensorwire actor (``__ray_invocation_decorator__``):
+    runs in the *caller*, whatever handle it holds (``Actor.remote()``, ``ray.get_actor``, one
+    passed through a task). Lifts pending references out of the arguments and makes the
+    result of a by-reference call a pending :class:`Ref`."""
+
+    def invoke(args: Any, kwargs: Any) -> Any:
+        kwargs = dict(kwargs or {})
+        by_ref, transport = _returns_by_ref(options, kwargs.get(_CALL_KWARG) or {})
+        args, kwargs = _lift_pending(tuple(args or ()), kwargs)
+        result = invocation(args, kwargs)
+        if by_ref and not isinstance(result, (list, tuple)) and hasattr(result, "binary"):
+            return pending_ref(result, transport=transport)
+        return result
+
+    return invoke
 
 
 def _materialize(result: Any) -> Any:
@@ -213,31 +279,41 @@ def _copy_identity(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> None:
         setattr(wrapper, attribute, getattr(fn, attribute, None))
 
 
-def _wrap_method(fn: Callable[..., Any], options: MethodOptions) -> Callable[..., Any]:
+def _wrap_method(fn: Callable[..., Any], options: MethodOptions, async_actor: bool) -> Callable[..., Any]:
     if inspect.iscoroutinefunction(fn):
 
         async def async_wrapper(self: Any, *args: Any, __tw_call__: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+            mark_async_actor()
             loop = asyncio.get_running_loop()
             call = __tw_call__ or {}
+            if not configured():
+                await loop.run_in_executor(None, configure_process)
             args, kwargs = await loop.run_in_executor(None, _resolve_arguments, args, kwargs, call, options.resolve)
             result = await fn(self, *args, **kwargs)
-            if options.by_ref:
-                return await loop.run_in_executor(None, _publish, result, options)
+            by_ref, transport = _returns_by_ref(options, call)
+            if by_ref:
+                return await loop.run_in_executor(None, _publish, result, transport, options.snapshot)
             return result
 
         wrapper: Callable[..., Any] = async_wrapper
     else:
 
         def sync_wrapper(self: Any, *args: Any, __tw_call__: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-            args, kwargs = _resolve_arguments(args, kwargs, __tw_call__ or {}, options.resolve)
+            if async_actor:
+                mark_async_actor()
+            call = __tw_call__ or {}
+            configure_process()  # before user code: its ray.get of a Ref fetches, and the agent needs these
+            args, kwargs = _resolve_arguments(args, kwargs, call, options.resolve)
             result = fn(self, *args, **kwargs)
-            return _publish(result, options) if options.by_ref else result
+            by_ref, transport = _returns_by_ref(options, call)
+            return _publish(result, transport, options.snapshot) if by_ref else result
 
         wrapper = sync_wrapper
     _copy_identity(wrapper, fn)
     for key, value in vars(fn).items():
         if key.startswith("__ray"):
             setattr(wrapper, key, value)  # keep @ray.method(...) options
+    wrapper.__ray_invocation_decorator__ = functools.partial(_decorate_invocation, options)  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -277,17 +353,27 @@ def _ray_remote(target: Any, options: dict[str, Any]) -> Any:
     return ray.remote(**options)(target) if options else ray.remote(target)
 
 
-def _call_options(transport: str | None, device: Any) -> dict[str, Any]:
+def _call_options(transport: str | None, device: Any, tensor_transport: str | None = None) -> dict[str, Any]:
     call: dict[str, Any] = {}
     if transport:
-        call["transport"] = transport
+        name = check_transport(transport, ".options(transport=...)")
+        if name is None:
+            raise ValueError(".options(transport='object_store'): Ref arguments are always fetched directly")
+        if name:
+            call["transport"] = name
     if device is not None:
         call["device"] = str(device)
+    if tensor_transport is not None:  # Ray direct transport's spelling: this call returns by reference
+        name = check_transport(tensor_transport, ".options(tensor_transport=...)")
+        call["by_ref"] = name is not None
+        if name:
+            call["ref_transport"] = name
     return call
 
 
 class ActorMethod:
-    """``handle.method``: call it with ``.remote(...)``; ``.options(transport=, device=, **ray)``."""
+    """``handle.method``: call it with ``.remote(...)``; ``.options(transport=, device=,
+    tensor_transport=, **ray)``."""
 
     def __init__(
         self, handle: Any, name: str, options: MethodOptions, call: dict[str, Any], ray_options: dict[str, Any]
@@ -298,42 +384,91 @@ class ActorMethod:
         self._call = call
         self._ray_options = ray_options
 
-    def options(self, *, transport: str | None = None, device: Any = None, **ray_options: Any) -> ActorMethod:
+    def options(
+        self,
+        *,
+        transport: str | None = None,
+        device: Any = None,
+        tensor_transport: str | None = None,
+        **ray_options: Any,
+    ) -> ActorMethod:
         """Per-call options: ``transport``/``device`` for fetching this call's Ref arguments;
-        the rest goes to Ray's ``.options``."""
-        call = {**self._call, **_call_options(transport, device)}
+        ``tensor_transport`` (Ray direct transport's spelling) makes this call return by
+        reference (a transport name or "auto"), or through Ray ("object_store"); the rest goes
+        to Ray's ``.options``.
+
+        Raises:
+            ValueError: An unknown transport name.
+        """
+        call = {**self._call, **_call_options(transport, device, tensor_transport)}
         return ActorMethod(self._handle, self._name, self._options, call, {**self._ray_options, **ray_options})
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the method. A ``@tw.method`` returns a pending :class:`Ref`; others a Ray ``ObjectRef``."""
-        args, kwargs = _lift_pending(args, kwargs)
+        """Call the method. A by-reference call returns a pending :class:`Ref` (also a
+        ``ray.ObjectRef``); others a Ray ``ObjectRef``. (Ray's invocation decorator of the
+        method lifts pending arguments and wraps the result: :func:`_decorate_invocation`.)"""
         if self._call:
             kwargs[_CALL_KWARG] = self._call
         ray_method = getattr(self._handle, self._name)
         if self._ray_options:
             ray_method = ray_method.options(**self._ray_options)
-        object_ref = ray_method.remote(*args, **kwargs)
-        if self._options.by_ref:
-            return Ref(pending=Pending(object_ref, transport=self._options.transport))
-        return object_ref
+        return ray_method.remote(*args, **kwargs)
 
 
 class ActorHandle:
-    """A tensorwire actor. ``handle.method.remote(...)``; ``handle.ray_handle`` for Ray's API
-    (``ray.kill(handle.ray_handle)``). Picklable: pass it to other actors and tasks."""
+    """A tensorwire actor: ``handle.method.remote(...)``. Also a ``ray.actor.ActorHandle``
+    (``ray.kill(handle)``); ``handle.ray_handle`` is Ray's own handle. Picklable: pass it to
+    other actors and tasks. Handles Ray gives directly (``ray.get_actor``) work the same,
+    except for ``.options(transport=, device=, tensor_transport=)``: wrap them with
+    ``tw.get_actor`` for those."""
 
-    def __init__(self, ray_handle: Any, methods: dict[str, MethodOptions]) -> None:
-        self.ray_handle = ray_handle
-        self._methods = methods
+    ray_handle: Any
+    _methods: dict[str, MethodOptions] | None
 
-    def __getattr__(self, name: str) -> ActorMethod:
-        methods = self.__dict__.get("_methods", {})
-        if name not in methods:
+    def __getattr__(self, name: str) -> Any:
+        state = self.__dict__
+        if "ray_handle" not in state or name.startswith("_ray") or name.startswith("__"):
+            if name.startswith("__ray") and "ray_handle" in state:
+                return getattr(state["ray_handle"], name)  # __ray_terminate__, __ray_ready__
+            raise AttributeError(name)
+        methods = state.get("_methods")
+        if methods is not None and name not in methods:
             raise AttributeError(f"actor has no method {name!r}; methods: {sorted(methods)}")
-        return ActorMethod(self.ray_handle, name, methods[name], {}, {})
+        getattr(state["ray_handle"], name)  # Ray's AttributeError for unknown methods
+        return ActorMethod(state["ray_handle"], name, (methods or {}).get(name, _PLAIN), {}, {})
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (make_handle, (self.ray_handle, self._methods))
 
     def __repr__(self) -> str:
         return f"tw.ActorHandle({self.ray_handle!r})"
+
+
+def make_handle(ray_handle: Any, methods: dict[str, MethodOptions] | None = None) -> ActorHandle:
+    """A tensorwire handle over Ray's ``ray_handle`` that is also a ``ray.actor.ActorHandle``:
+    it shares the Ray handle's state and holds the Ray handle itself (so Ray's count of
+    handles to the actor is that one's; this copy is marked as not counting)."""
+    from tensorwire.runtime.raycompat import handle_class
+
+    if isinstance(ray_handle, ActorHandle):
+        ray_handle = ray_handle.ray_handle
+    cls = handle_class(ActorHandle)
+    handle = cls.__new__(cls)
+    handle.__dict__.update(ray_handle.__dict__)
+    handle.__dict__.update(_ray_weak_ref=True, ray_handle=ray_handle, _methods=methods)
+    return handle
+
+
+def get_actor(name: str, namespace: str | None = None) -> ActorHandle:
+    """``ray.get_actor`` returning a tensorwire handle (with ``.options(transport=, device=,
+    tensor_transport=)``).
+
+    Raises:
+        ValueError: No actor of that name (Ray's error).
+    """
+    import ray
+
+    return make_handle(ray.get_actor(name, namespace=namespace))
 
 
 class ActorClass:
@@ -343,7 +478,8 @@ class ActorClass:
         self._cls = cls
         self._options = options
         self._methods = _method_table(cls)
-        namespace = {name: _wrap_method(getattr(cls, name), opts) for name, opts in self._methods.items()}
+        async_actor = any(inspect.iscoroutinefunction(getattr(cls, name)) for name in self._methods)
+        namespace = {name: _wrap_method(getattr(cls, name), opts, async_actor) for name, opts in self._methods.items()}
         namespace[HOOK_METHOD] = _tw_hook
         namespace["__module__"] = cls.__module__
         namespace["__qualname__"] = cls.__qualname__
@@ -352,13 +488,14 @@ class ActorClass:
         functools.update_wrapper(self, cls, updated=())
 
     def options(self, **options: Any) -> ActorClass:
-        """A copy with more Ray actor options (``num_gpus``, ``max_concurrency``, ``name``...)."""
+        """A copy with more Ray actor options (``num_gpus``, ``max_concurrency``, ``name``,
+        ``get_if_exists``...)."""
         return ActorClass(self._cls, {**self._options, **options})
 
     def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
         if self._ray_class is None:
             self._ray_class = _ray_remote(self._wrapped, self._options)
-        return ActorHandle(self._ray_class.remote(*args, **kwargs), self._methods)
+        return make_handle(self._ray_class.remote(*args, **kwargs), self._methods)
 
 
 class RemoteFunction:
@@ -372,6 +509,7 @@ class RemoteFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def options(self, *, transport: str | None = None, device: Any = None, **ray_options: Any) -> RemoteFunction:
+        """Per-call ``transport``/``device`` for this call's Ref arguments; the rest goes to Ray."""
         return RemoteFunction(
             self._fn, {**self._options, **ray_options}, {**self._call, **_call_options(transport, device)}
         )
@@ -393,7 +531,7 @@ class RemoteFunction:
         args, kwargs = _lift_pending(args, kwargs)
         if self._call:
             kwargs[_CALL_KWARG] = self._call
-        return Ref(pending=Pending(self._task().remote(*args, **kwargs), staged=True))
+        return pending_ref(self._task().remote(*args, **kwargs), staged=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"remote function {self._fn.__name__} must be called with .remote(...)")
