@@ -62,5 +62,6 @@ class PermissionDeniedError(TensorwireError):
     """A request presented a wrong capability token or cluster token."""
 
 
-class UnresolvedRefError(TensorwireError, TypeError):
-    """A tensorwire reference reached code that used it as its value (fetch it with ``tw.get``)."""
+class UnresolvedRefError(TensorwireError, TypeError, AttributeError):
+    """A tensorwire reference reached code that used it as its value (fetch it with ``tw.get``).
+    Also an ``AttributeError`` (so ``hasattr`` probes stay quiet) and a ``TypeError``."""

@@ -94,6 +94,8 @@ class Arrived:
     def __getattr__(self, name: str) -> Any:
         from tensorwire.errors import UnresolvedRefError
 
+        if name.startswith("__"):
+            raise AttributeError(name)
         raise UnresolvedRefError(
             f"{name!r} was asked of a tensorwire reference that Ray passed to this call, not of its value: "
             "fetch the value with tw.get(value), or make this actor or task @tw.remote so its arguments resolve"

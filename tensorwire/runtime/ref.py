@@ -190,6 +190,8 @@ class Ref:
         # Only reached for names a Ref does not have: code that took the reference for its value.
         if name.startswith("_"):
             raise AttributeError(name)
+        if hasattr(type(self), name):
+            return object.__getattribute__(self, name)  # a property that raised: its own error again
         raise UnresolvedRefError(
             f"{name!r} was asked of a tensorwire reference (tw.Ref), not of its value: fetch the value with "
             "tw.get(ref) (or ray.get(ref)), or pass the reference as an argument of a @tw.remote actor or task, "
