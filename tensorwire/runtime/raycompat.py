@@ -71,10 +71,25 @@ def arrive(state_bytes: bytes) -> Any:
     if getattr(_raw, "depth", 0):
         return state
     if _inside_ray_get():
-        from tensorwire.runtime.api import get
-
-        return get(Ref(state._replace(pin_id=b"")))  # a hold while it is fetched; the sender's pins cover the gap
+        return _fetch_for_ray_get(state)
     return Arrived(state)
+
+
+def _fetch_for_ray_get(state: RefState) -> Any:
+    """The value for a user's ``ray.get``. A failed fetch is handed back as Ray's task error
+    around tensorwire's (``ray.get`` raises it as both: ``except tw.OwnerDiedError`` works);
+    raised here, Ray would wrap it into a ``RaySystemError`` instead."""
+    import traceback
+
+    from tensorwire.errors import TensorwireError
+    from tensorwire.runtime.api import get
+
+    try:
+        return get(Ref(state._replace(pin_id=b"")))  # a hold while it is fetched; the sender's pins cover the gap
+    except TensorwireError as e:
+        import ray
+
+        return ray.exceptions.RayTaskError("tensorwire fetch", traceback.format_exc(), e)
 
 
 class Arrived:

@@ -64,6 +64,9 @@ class Echo:
         self.last = torch.full((nbytes,), fill, dtype=torch.uint8)
         return self.last
 
+    def fill_last(self, value: int) -> None:
+        self.last.fill_(value)
+
     @tw.method
     def fail(self, message: str):
         raise RuntimeError(message)
