@@ -214,8 +214,11 @@ def _decorate_invocation(options: MethodOptions, invocation: Callable[..., Any])
         by_ref, transport = _returns_by_ref(options, kwargs.get(_CALL_KWARG) or {})
         args, kwargs = _lift_pending(tuple(args or ()), kwargs)
         result = invocation(args, kwargs)
-        if by_ref and not isinstance(result, (list, tuple)) and hasattr(result, "binary"):
-            return pending_ref(result, transport=transport)
+        if by_ref:
+            import ray
+
+            if isinstance(result, ray.ObjectRef):  # (not with num_returns > 1 or a generator)
+                return pending_ref(result, transport=transport)
         return result
 
     return invoke
