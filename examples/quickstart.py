@@ -82,7 +82,7 @@ def main() -> None:
     print(f"checksum trainer {expected} rollout {received}: {'OK' if expected == received else 'MISMATCH'}")
     if expected != received:
         raise SystemExit(1)
-    driver_copy = tw.get(ref)  # the driver can fetch it too
+    driver_copy = ray.get(ref)  # the driver can fetch it too: Ray's own ray.get, bytes moved directly
     print(f"driver fetched {len(driver_copy)} tensors via {tw.stats()['recent'][-1].transport}")
     ray.shutdown()
 

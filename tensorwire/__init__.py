@@ -21,18 +21,20 @@ from tensorwire.errors import (
     TransferTimeoutError,
     TransportError,
     TransportUnavailableError,
+    UnresolvedRefError,
 )
 
 if TYPE_CHECKING:
     from tensorwire import collectives as collective
     from tensorwire.collectives import WeightSync
-    from tensorwire.runtime.actor import method, passthrough, remote
-    from tensorwire.runtime.api import free, get, init, put, stats, wait
+    from tensorwire.runtime.actor import ActorHandle, get_actor, method, passthrough, remote
+    from tensorwire.runtime.api import free, get, init, put, stats, wait, wait_tensor_freed
     from tensorwire.runtime.ref import Ref
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActorHandle",
     "DeviceUnavailableError",
     "NoTransportError",
     "ObjectFreedError",
@@ -45,11 +47,13 @@ __all__ = [
     "TransferTimeoutError",
     "TransportError",
     "TransportUnavailableError",
+    "UnresolvedRefError",
     "WeightSync",
     "collective",
     "errors",
     "free",
     "get",
+    "get_actor",
     "init",
     "method",
     "passthrough",
@@ -57,12 +61,16 @@ __all__ = [
     "remote",
     "stats",
     "wait",
+    "wait_tensor_freed",
 ]
 
 _LAZY = {
     "init": "tensorwire.runtime.api",
     "wait": "tensorwire.runtime.api",
     "remote": "tensorwire.runtime.actor",
+    "get_actor": "tensorwire.runtime.actor",
+    "ActorHandle": "tensorwire.runtime.actor",
+    "wait_tensor_freed": "tensorwire.runtime.api",
     "method": "tensorwire.runtime.actor",
     "passthrough": "tensorwire.runtime.actor",
     "put": "tensorwire.runtime.api",

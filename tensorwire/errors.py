@@ -20,6 +20,7 @@ __all__ = [
     "TransferTimeoutError",
     "TransportError",
     "TransportUnavailableError",
+    "UnresolvedRefError",
 ]
 
 
@@ -71,3 +72,8 @@ class PermissionDeniedError(TensorwireError):
 class LargeReferenceWarning(UserWarning):
     """A value's non-tensor part makes its reference large (``TENSORWIRE_REF_WARN_NBYTES``):
     it is pickled into every copy of the reference instead of moving by reference."""
+
+
+class UnresolvedRefError(TensorwireError, TypeError, AttributeError):
+    """A tensorwire reference reached code that used it as its value (fetch it with ``tw.get``).
+    Also an ``AttributeError`` (so ``hasattr`` probes stay quiet) and a ``TypeError``."""

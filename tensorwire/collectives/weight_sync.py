@@ -108,7 +108,10 @@ def weight_version(name: str = "weights") -> int:
 
 def _tensor_list(actor: object, where: str, role: str) -> tuple[list[str], list[torch.Tensor]]:
     """The named tensors of ``actor.<where>`` (a module, a dict of tensors, or a method
-    giving either), in a stable order."""
+    giving either), in a stable order. ``where=""``: the actor's ``state_dict()`` method when
+    it has one, else its ``model`` attribute."""
+    if where == "":
+        where = "state_dict" if callable(getattr(actor, "state_dict", None)) else "model"
     if not isinstance(where, str) or not where:
         raise ValueError(f"{role} must name an attribute or method of the actor")
     if not hasattr(actor, where):
@@ -501,7 +504,8 @@ class WeightSync:
     Args:
         trainer: The actor that holds the weights (``@tw.remote``).
         receivers: The actors to update.
-        source: Attribute or method of the trainer giving an ``nn.Module`` or a dict of tensors.
+        source: Attribute or method of the trainer giving an ``nn.Module`` or a dict of tensors
+            (default: its ``state_dict()`` method when it has one, else its ``model`` attribute).
         target: The same on the receivers (default: ``source``); same names, shapes, dtypes.
         bucket_bytes: Bucket size; extra memory is about two buckets (per relay as well).
         transport: "auto" (the selector, per receiver) or a transport name for every fetch.
@@ -516,7 +520,7 @@ class WeightSync:
         trainer: ActorHandle,
         receivers: Sequence[ActorHandle],
         *,
-        source: str = "model",
+        source: str = "",
         target: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         transport: str = "auto",

@@ -21,19 +21,30 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from tensorwire.runtime import values
-from tensorwire.runtime.pending import Pending
+from tensorwire.runtime.handles import (
+    CALL_KWARG,
+    PLAIN,
+    ActorHandle,
+    ActorMethod,
+    MethodOptions,
+    call_options,
+    check_transport,
+    get_actor,
+    make_handle,
+)
+from tensorwire.runtime.pending import pending_ref
 from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.runtime.ref import Ref, RefState
+from tensorwire.runtime.ray_env import configure_process, configured, mark_async_actor
+from tensorwire.runtime.ref import Ref
 
-__all__ = ["HOOK_METHOD", "ActorClass", "ActorHandle", "ActorMethod", "MethodOptions", "RemoteFunction", "method",
-           "passthrough", "remote"]  # fmt: skip
+__all__ = ["HOOK_METHOD", "ActorClass", "ActorHandle", "ActorMethod", "MethodOptions", "RemoteFunction",
+           "check_transport", "get_actor", "make_handle", "method", "passthrough", "remote"]  # fmt: skip
 
 _METHOD_ATTR = "__tensorwire_method__"
-_CALL_KWARG = "__tw_call__"
+_CALL_KWARG = CALL_KWARG
 _LIFTED_PREFIX = "__tw_lifted_"
 
 
@@ -65,7 +76,7 @@ def _lift_pending(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, d
             return values.DESCEND
         pending = item._pending
         if item._state is not None or pending is None or pending.staged:
-            return item
+            return _as_plain(item)
         reduced = pending.reduce()  # a new transit pin, announced when this process resolves
         if reduced is None:
             return item  # resolved meanwhile: travels as a direct reference
@@ -79,25 +90,15 @@ def _lift_pending(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, d
     return new_args, new_kwargs
 
 
-@dataclass(frozen=True)
-class MethodOptions:
-    """Options of a method, from ``@tw.method(...)`` (or defaults for plain methods).
-
-    Attributes:
-        by_ref: The method returns its value by reference (``@tw.method``).
-        transport: Default transport for consumers of the returned reference ("" = auto).
-        resolve: Resolve ``Ref`` arguments before the method runs.
-        snapshot: Copy the returned tensors, so later in-place changes in the actor do not
-            show in what consumers fetch.
-    """
-
-    by_ref: bool = False
-    transport: str = ""
-    resolve: bool = True
-    snapshot: bool = False
-
-
-_PLAIN = MethodOptions()
+def _as_plain(ref: Ref) -> Ref:
+    """``ref`` as an argument that pickles as a tensorwire reference: a resolved result of a
+    Ray call is also a ``ray.ObjectRef``, which Ray would pass by its id instead. (No hold of
+    its own: the copy lives only while the call's arguments are pickled.)"""
+    if type(ref) is Ref or ref._state is None:
+        return ref  # staged results do go by their id: Ray delivers the value
+    plain = Ref.__new__(Ref)
+    plain.__dict__.update(_state=ref._state, _skeleton=ref._skeleton, _pending=None, _moved_by="")
+    return plain
 
 
 def method(
@@ -109,9 +110,10 @@ def method(
     them in place before a consumer fetches, the consumer sees the change. Use
     ``snapshot=True`` to hand out a copy taken when the method returns.
     """
-    if not isinstance(transport, str):
-        raise TypeError(f"transport must be a transport name, got {type(transport).__name__}")
-    options = MethodOptions(by_ref=True, transport=transport, resolve=resolve, snapshot=snapshot)
+    name = check_transport(transport, "@tw.method(transport=...)")
+    if name is None:
+        raise ValueError("@tw.method(transport='object_store') is a plain method: leave out @tw.method")
+    options = MethodOptions(by_ref=True, transport=name, resolve=resolve, snapshot=snapshot)
 
     def mark(target: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(target):
@@ -149,6 +151,7 @@ def _actor_device() -> Any:
 def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict[str, Any], resolve: bool) -> Any:
     """``args``/``kwargs`` with Refs replaced by their values (fetched concurrently)."""
     from tensorwire.runtime.api import get
+    from tensorwire.runtime.raycompat import Arrived, state_of
 
     states = {int(k[len(_LIFTED_PREFIX) :]): kwargs.pop(k) for k in list(kwargs) if k.startswith(_LIFTED_PREFIX)}
     found: list[Ref] = []
@@ -156,13 +159,15 @@ def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict
     def as_ref(item: Any) -> Any:
         if not isinstance(item, _Lifted):
             return item
-        state = RefState.from_bytes(states[item.index])  # Ray delivered the call's state with this call
+        state = state_of(states[item.index])  # Ray delivered the call's state with this call
         return Ref(state._replace(pin_id=item.pin_id, transport=item.transport or state.transport))
 
     def leaf(item: Any, _path: str) -> Any:
         if isinstance(item, passthrough):
             return as_ref(item.ref)
         item = as_ref(item)
+        if isinstance(item, Arrived):  # a reference Ray resolved as a top-level argument
+            item = Ref(item.state._replace(pin_id=b""))
         if isinstance(item, Ref):
             if not resolve:
                 return item
@@ -181,15 +186,42 @@ def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict
     return values.unflatten(skeleton, fetched)
 
 
-def _publish(result: Any, options: MethodOptions) -> bytes:
+def _publish(result: Any, transport: str, snapshot: bool) -> Any:
     """Producer: register the method's value and return the state that travels through Ray."""
     from tensorwire.runtime.api import put
+    from tensorwire.runtime.raycompat import Published
 
-    if options.snapshot:
+    if snapshot:
         skeleton, tensors, _ = values.flatten(result)
         result = values.unflatten(skeleton, [t.clone() for t in tensors])
     state = put(result)._outgoing_state()  # pinned until the caller registers
-    return state._replace(transport=options.transport).to_bytes()
+    return Published(state._replace(transport=transport).to_bytes())
+
+
+def _returns_by_ref(options: MethodOptions, call: dict[str, Any]) -> tuple[bool, str]:
+    """Whether this call returns by reference (the method's mark, or ``.options(tensor_transport=)``)."""
+    return call.get("by_ref", options.by_ref), call.get("ref_transport", options.transport)
+
+
+def _decorate_invocation(options: MethodOptions, invocation: Callable[..., Any]) -> Callable[..., Any]:
+    """Ray's invocation decorator of every method of a tensorwire actor (``__ray_invocation_decorator__``):
+    runs in the *caller*, whatever handle it holds (``Actor.remote()``, ``ray.get_actor``, one
+    passed through a task). Lifts pending references out of the arguments and makes the
+    result of a by-reference call a pending :class:`Ref`."""
+
+    def invoke(args: Any, kwargs: Any) -> Any:
+        kwargs = dict(kwargs or {})
+        by_ref, transport = _returns_by_ref(options, kwargs.get(_CALL_KWARG) or {})
+        args, kwargs = _lift_pending(tuple(args or ()), kwargs)
+        result = invocation(args, kwargs)
+        if by_ref:
+            import ray
+
+            if isinstance(result, ray.ObjectRef):  # (not with num_returns > 1 or a generator)
+                return pending_ref(result, transport=transport)
+        return result
+
+    return invoke
 
 
 def _materialize(result: Any) -> Any:
@@ -213,31 +245,41 @@ def _copy_identity(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> None:
         setattr(wrapper, attribute, getattr(fn, attribute, None))
 
 
-def _wrap_method(fn: Callable[..., Any], options: MethodOptions) -> Callable[..., Any]:
+def _wrap_method(fn: Callable[..., Any], options: MethodOptions, async_actor: bool) -> Callable[..., Any]:
     if inspect.iscoroutinefunction(fn):
 
         async def async_wrapper(self: Any, *args: Any, __tw_call__: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+            mark_async_actor()
             loop = asyncio.get_running_loop()
             call = __tw_call__ or {}
+            if not configured():
+                await loop.run_in_executor(None, configure_process)
             args, kwargs = await loop.run_in_executor(None, _resolve_arguments, args, kwargs, call, options.resolve)
             result = await fn(self, *args, **kwargs)
-            if options.by_ref:
-                return await loop.run_in_executor(None, _publish, result, options)
+            by_ref, transport = _returns_by_ref(options, call)
+            if by_ref:
+                return await loop.run_in_executor(None, _publish, result, transport, options.snapshot)
             return result
 
         wrapper: Callable[..., Any] = async_wrapper
     else:
 
         def sync_wrapper(self: Any, *args: Any, __tw_call__: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-            args, kwargs = _resolve_arguments(args, kwargs, __tw_call__ or {}, options.resolve)
+            if async_actor:
+                mark_async_actor()
+            call = __tw_call__ or {}
+            configure_process()  # before user code: its ray.get of a Ref fetches, and the agent needs these
+            args, kwargs = _resolve_arguments(args, kwargs, call, options.resolve)
             result = fn(self, *args, **kwargs)
-            return _publish(result, options) if options.by_ref else result
+            by_ref, transport = _returns_by_ref(options, call)
+            return _publish(result, transport, options.snapshot) if by_ref else result
 
         wrapper = sync_wrapper
     _copy_identity(wrapper, fn)
     for key, value in vars(fn).items():
         if key.startswith("__ray"):
             setattr(wrapper, key, value)  # keep @ray.method(...) options
+    wrapper.__ray_invocation_decorator__ = functools.partial(_decorate_invocation, options)  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -264,7 +306,7 @@ def _method_table(cls: type) -> dict[str, MethodOptions]:
             continue
         static = inspect.getattr_static(cls, name)
         if inspect.isfunction(static):
-            table[name] = getattr(static, _METHOD_ATTR, _PLAIN)
+            table[name] = getattr(static, _METHOD_ATTR, PLAIN)
     return table
 
 
@@ -277,65 +319,6 @@ def _ray_remote(target: Any, options: dict[str, Any]) -> Any:
     return ray.remote(**options)(target) if options else ray.remote(target)
 
 
-def _call_options(transport: str | None, device: Any) -> dict[str, Any]:
-    call: dict[str, Any] = {}
-    if transport:
-        call["transport"] = transport
-    if device is not None:
-        call["device"] = str(device)
-    return call
-
-
-class ActorMethod:
-    """``handle.method``: call it with ``.remote(...)``; ``.options(transport=, device=, **ray)``."""
-
-    def __init__(
-        self, handle: Any, name: str, options: MethodOptions, call: dict[str, Any], ray_options: dict[str, Any]
-    ):
-        self._handle = handle
-        self._name = name
-        self._options = options
-        self._call = call
-        self._ray_options = ray_options
-
-    def options(self, *, transport: str | None = None, device: Any = None, **ray_options: Any) -> ActorMethod:
-        """Per-call options: ``transport``/``device`` for fetching this call's Ref arguments;
-        the rest goes to Ray's ``.options``."""
-        call = {**self._call, **_call_options(transport, device)}
-        return ActorMethod(self._handle, self._name, self._options, call, {**self._ray_options, **ray_options})
-
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the method. A ``@tw.method`` returns a pending :class:`Ref`; others a Ray ``ObjectRef``."""
-        args, kwargs = _lift_pending(args, kwargs)
-        if self._call:
-            kwargs[_CALL_KWARG] = self._call
-        ray_method = getattr(self._handle, self._name)
-        if self._ray_options:
-            ray_method = ray_method.options(**self._ray_options)
-        object_ref = ray_method.remote(*args, **kwargs)
-        if self._options.by_ref:
-            return Ref(pending=Pending(object_ref, transport=self._options.transport))
-        return object_ref
-
-
-class ActorHandle:
-    """A tensorwire actor. ``handle.method.remote(...)``; ``handle.ray_handle`` for Ray's API
-    (``ray.kill(handle.ray_handle)``). Picklable: pass it to other actors and tasks."""
-
-    def __init__(self, ray_handle: Any, methods: dict[str, MethodOptions]) -> None:
-        self.ray_handle = ray_handle
-        self._methods = methods
-
-    def __getattr__(self, name: str) -> ActorMethod:
-        methods = self.__dict__.get("_methods", {})
-        if name not in methods:
-            raise AttributeError(f"actor has no method {name!r}; methods: {sorted(methods)}")
-        return ActorMethod(self.ray_handle, name, methods[name], {}, {})
-
-    def __repr__(self) -> str:
-        return f"tw.ActorHandle({self.ray_handle!r})"
-
-
 class ActorClass:
     """``@tw.remote`` on a class. ``.remote(*args)`` creates the actor; ``.options(**ray)``."""
 
@@ -343,7 +326,8 @@ class ActorClass:
         self._cls = cls
         self._options = options
         self._methods = _method_table(cls)
-        namespace = {name: _wrap_method(getattr(cls, name), opts) for name, opts in self._methods.items()}
+        async_actor = any(inspect.iscoroutinefunction(getattr(cls, name)) for name in self._methods)
+        namespace = {name: _wrap_method(getattr(cls, name), opts, async_actor) for name, opts in self._methods.items()}
         namespace[HOOK_METHOD] = _tw_hook
         namespace["__module__"] = cls.__module__
         namespace["__qualname__"] = cls.__qualname__
@@ -352,13 +336,14 @@ class ActorClass:
         functools.update_wrapper(self, cls, updated=())
 
     def options(self, **options: Any) -> ActorClass:
-        """A copy with more Ray actor options (``num_gpus``, ``max_concurrency``, ``name``...)."""
+        """A copy with more Ray actor options (``num_gpus``, ``max_concurrency``, ``name``,
+        ``get_if_exists``...)."""
         return ActorClass(self._cls, {**self._options, **options})
 
     def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
         if self._ray_class is None:
             self._ray_class = _ray_remote(self._wrapped, self._options)
-        return ActorHandle(self._ray_class.remote(*args, **kwargs), self._methods)
+        return make_handle(self._ray_class.remote(*args, **kwargs), self._methods)
 
 
 class RemoteFunction:
@@ -372,8 +357,9 @@ class RemoteFunction:
         functools.update_wrapper(self, fn, updated=())
 
     def options(self, *, transport: str | None = None, device: Any = None, **ray_options: Any) -> RemoteFunction:
+        """Per-call ``transport``/``device`` for this call's Ref arguments; the rest goes to Ray."""
         return RemoteFunction(
-            self._fn, {**self._options, **ray_options}, {**self._call, **_call_options(transport, device)}
+            self._fn, {**self._options, **ray_options}, {**self._call, **call_options(transport, device)}
         )
 
     def _task(self) -> Any:
@@ -393,7 +379,7 @@ class RemoteFunction:
         args, kwargs = _lift_pending(args, kwargs)
         if self._call:
             kwargs[_CALL_KWARG] = self._call
-        return Ref(pending=Pending(self._task().remote(*args, **kwargs), staged=True))
+        return pending_ref(self._task().remote(*args, **kwargs), staged=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"remote function {self._fn.__name__} must be called with .remote(...)")

@@ -27,7 +27,8 @@ from tensorwire.transport.base import ObjectDescriptor, TensorKind, TensorMeta
 from tensorwire.transport.config import validate_timeout
 from tensorwire.transport.packing import packed_layout
 
-__all__ = ["free", "get", "get_async", "init", "put", "register_tensors", "stats", "target_device", "wait"]
+__all__ = ["free", "get", "get_async", "init", "put", "register_tensors", "stats", "target_device", "wait",
+           "wait_tensor_freed"]  # fmt: skip
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -229,8 +230,16 @@ def _get_one(
     timeout_s: float | None,
 ) -> Any:
     if not isinstance(ref, Ref):
+        from tensorwire.runtime.raycompat import Arrived
+
+        if isinstance(ref, Arrived):
+            ref = Ref(ref.state._replace(pin_id=b""))
+            return _get_one(ref, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s)
+        if type(ref).__name__ == "ObjectRef" and type(ref).__module__.startswith("ray"):
+            return _get_object_ref(ref, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s)
         raise TypeError(f"tensorwire.get expects a Ref (or a list of Refs), got {type(ref).__name__}")
     if ref.is_staged:
+        ref._moved_by = "object_store"
         return _get_staged(ref, device, out, timeout_s)
     start = time.monotonic()
     state = ref._resolve(timeout_s)
@@ -251,7 +260,7 @@ def _get_one(
             usable = buffer is not None and buffer.device.type in ("cpu", "cuda") and buffer.is_contiguous()
             dst.append(buffer if usable else None)
     targets = _targets(desc.metas, device)
-    tensors, _record = agent.fetch(
+    tensors, record = agent.fetch(
         desc,
         state.handles,
         dst=dst,
@@ -260,7 +269,28 @@ def _get_one(
         view=dst is None,
         timeout_s=timeout_s,
     )
+    ref._moved_by = record.transport
     return _place(skeleton, tensors, desc.metas, targets, (outs, out_tensors))
+
+
+def _as_ref(value: Any) -> Ref:
+    from tensorwire.runtime.raycompat import state_of
+
+    return Ref(state_of(value)._replace(pin_id=b""))
+
+
+def _get_object_ref(object_ref: Any, *, timeout_s: float | None, **options: Any) -> Any:
+    """``tw.get`` of a plain Ray ``ObjectRef``: a reference it holds is fetched with the
+    options; any other value is returned as Ray gives it."""
+    from tensorwire.runtime.pending import _ray_value
+
+    try:
+        value = _ray_value(object_ref, timeout_s)
+    except TimeoutError:
+        raise TransferTimeoutError(f"the Ray call has not finished within {timeout_s} s") from None
+    if isinstance(value, (Ref, RefState)) or type(value).__name__ == "Arrived":
+        return _get_one(value if isinstance(value, Ref) else _as_ref(value), timeout_s=timeout_s, **options)
+    return value
 
 
 def get(
@@ -345,6 +375,38 @@ def wait(refs: list[Ref], *, num_returns: int = 1, timeout_s: float | None = Non
     ready = [r for r in refs if id(r) in ready_ids][:num_returns]
     chosen = {id(r) for r in ready}
     return ready, [r for r in refs if id(r) not in chosen]
+
+
+def wait_tensor_freed(tensor: Any, *, timeout_s: float = 60.0) -> None:
+    """Producer: wait until no reference to a value holding ``tensor`` (or any tensor of a
+    value: a dict, list, ...) is left, so that overwriting it in place cannot change what a
+    consumer reads. Values that travelled inline were copied when returned: they never wait.
+
+    Raises:
+        TransferTimeoutError: References are still held after ``timeout_s`` (the message
+            says how many objects). ValueError: ``timeout_s`` is not positive.
+    """
+    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    _skeleton, tensors, _kinds = values.flatten(tensor)
+    if not tensors:
+        raise TypeError(f"wait_tensor_freed expects a tensor or a value holding tensors, got {type(tensor).__name__}")
+    storages = frozenset(t.untyped_storage().data_ptr() for t in tensors)
+    agent = runtime_agent()
+    deadline = time.monotonic() + timeout_s
+    pause_s = 0.001
+    while True:
+        agent.flush()
+        held = agent.owned_sharing(storages)
+        if not held:
+            return
+        if time.monotonic() >= deadline:
+            raise TransferTimeoutError(
+                f"{held} object(s) holding this tensor are still referenced after {timeout_s} s: a consumer still "
+                "holds a tw.Ref to it (drop it, or tw.free(ref) to free it early)"
+            )
+        time.sleep(pause_s)
+        pause_s = min(0.05, pause_s * 2)
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -31,8 +31,9 @@ from typing import Any
 
 from tensorwire.errors import OwnerDiedError, TransferTimeoutError
 from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.runtime.ray_env import ray_result
 
-__all__ = ["Pending"]
+__all__ = ["Pending", "pending_ref"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,23 @@ def _map_ray_error(error: BaseException) -> BaseException:
     return error
 
 
-def _state_of(value: bytes) -> Any:
-    from tensorwire.runtime.ref import RefState
+def _state_of(value: Any) -> Any:
+    from tensorwire.runtime.raycompat import state_of
 
-    return RefState.from_bytes(value)
+    return state_of(value)
+
+
+def _ray_value(object_ref: Any, timeout_s: float | None) -> Any:
+    """``object_ref``'s value as tensorwire reads it: the reference state, not the fetched value.
+
+    Raises:
+        TimeoutError: Not ready within ``timeout_s``. Ray's errors of the call.
+    """
+    from tensorwire.runtime.raycompat import raw_states
+
+    runtime_agent()  # started here, never while Ray unpickles
+    with raw_states():
+        return ray_result(object_ref, timeout_s)
 
 
 @dataclass
@@ -83,10 +97,8 @@ def _settle_orphan(box: _Unsettled) -> None:
 
 
 def _settle_orphan_now(box: _Unsettled) -> None:
-    import ray
-
     try:
-        state = _state_of(ray.get(box.object_ref))
+        state = _state_of(_ray_value(box.object_ref, None))
     except Exception:  # noqa: BLE001 - the call failed: it pinned nothing
         return
     try:
@@ -141,11 +153,9 @@ class Pending:
     def wait(self, timeout_s: float | None) -> Any:
         """The resolved state; raises the call's error, or ``TransferTimeoutError``."""
         if not self._box.settled:
-            import ray
-
             try:
-                state = _state_of(ray.get(self.object_ref, timeout=timeout_s))
-            except ray.exceptions.GetTimeoutError:
+                state = _state_of(_ray_value(self.object_ref, timeout_s))
+            except TimeoutError:
                 raise TransferTimeoutError(f"the producing call has not finished within {timeout_s} s") from None
             except Exception as e:  # noqa: BLE001 - recorded, then raised below
                 self._settle(None, e)
@@ -160,8 +170,8 @@ class Pending:
         import ray
 
         try:
-            return ray.get(self.object_ref, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
+            return _ray_value(self.object_ref, timeout_s)
+        except TimeoutError:
             raise TransferTimeoutError(f"the task has not finished within {timeout_s} s") from None
         except ray.exceptions.RayError as e:
             raise _map_ray_error(e) from e
@@ -179,7 +189,12 @@ class Pending:
             return (_rebuild, (self.object_ref, False, pin_id, self.transport))
 
 
-def _rebuild(object_ref: Any, staged: bool, pin_id: bytes, transport: str) -> Any:
-    from tensorwire.runtime.ref import Ref
+def pending_ref(object_ref: Any, *, staged: bool = False, pin_id: bytes = b"", transport: str = "") -> Any:
+    """A pending (or staged) ``tw.Ref`` of a Ray call's ``object_ref`` (also a ``ray.ObjectRef``)."""
+    from tensorwire.runtime.raycompat import ray_ref
 
-    return Ref(pending=Pending(object_ref, staged=staged, pin_id=pin_id, transport=transport))
+    return ray_ref(object_ref, Pending(object_ref, staged=staged, pin_id=pin_id, transport=transport))
+
+
+def _rebuild(object_ref: Any, staged: bool, pin_id: bytes, transport: str) -> Any:
+    return pending_ref(object_ref, staged=staged, pin_id=pin_id, transport=transport)

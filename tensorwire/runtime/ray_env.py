@@ -14,11 +14,12 @@ Outside Ray (Ray not imported or not initialized) nothing happens.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import secrets
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tensorwire.transport.agent import add_startup_hook, get_agent
 from tensorwire.transport.metrics import TransferRecord, add_observer
@@ -26,7 +27,8 @@ from tensorwire.transport.metrics import TransferRecord, add_observer
 if TYPE_CHECKING:
     from tensorwire.transport.agent import Agent
 
-__all__ = ["TOKEN_ACTOR_NAME", "TOKEN_NAMESPACE", "RayMetrics", "agent", "configure_process", "in_ray"]
+__all__ = ["TOKEN_ACTOR_NAME", "TOKEN_NAMESPACE", "RayMetrics", "agent", "configure_process", "configured", "in_ray",
+           "mark_async_actor", "ray_result"]  # fmt: skip
 
 TOKEN_ACTOR_NAME = "tensorwire_cluster_token"
 TOKEN_NAMESPACE = "tensorwire"
@@ -51,6 +53,39 @@ class _TokenKeeper:
         return self._token
 
 
+_async_actor = False
+
+
+def mark_async_actor() -> None:
+    """This process runs an async actor (one with ``async def`` methods): no ``ray.get`` here."""
+    global _async_actor
+    _async_actor = True
+
+
+def ray_result(object_ref: Any, timeout_s: float | None) -> Any:
+    """``object_ref``'s value. ``ray.get``, except in an async actor, where tensorwire waits on
+    ``ObjectRef.future()`` instead (a ``ray.get`` there blocks the event loop's process and Ray
+    warns about it). Not the future everywhere: an actor's future completes on the thread that
+    runs its calls, which may be the one waiting (while Ray unpickles a call's arguments).
+
+    Raises:
+        TimeoutError: Not ready within ``timeout_s``. Ray's errors of the call.
+    """
+    import ray
+
+    if not _async_actor:
+        try:
+            return ray.get(object_ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"not ready within {timeout_s} s") from None
+    future = object_ref.future()
+    try:
+        return future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"not ready within {timeout_s} s") from None
+
+
 def _cluster_token(timeout_s: float = 60.0) -> str:
     import ray
 
@@ -58,7 +93,7 @@ def _cluster_token(timeout_s: float = 60.0) -> str:
     keeper = keeper_class.options(
         name=TOKEN_ACTOR_NAME, namespace=TOKEN_NAMESPACE, lifetime="detached", get_if_exists=True
     ).remote()
-    return ray.get(keeper.token.remote(), timeout=timeout_s)
+    return ray_result(keeper.token.remote(), timeout_s)
 
 
 class RayMetrics:
@@ -92,6 +127,11 @@ class RayMetrics:
         self._nbytes.inc(record.nbytes, tags=tags)
         self._seconds.observe(record.duration_s, tags=tags)
         self.recorded += 1
+
+
+def configured() -> bool:
+    """Whether :func:`configure_process` has run in this process."""
+    return _configured_pid == os.getpid()
 
 
 def configure_process() -> None:

@@ -24,6 +24,7 @@ import pickle
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from tensorwire.errors import UnresolvedRefError
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.base import ObjectDescriptor, TensorMeta
 
@@ -66,12 +67,14 @@ class Ref:
     """A reference to a value held by its owner process. Create with :func:`tensorwire.put`
     or by calling a ``@tw.method``; fetch with :func:`tensorwire.get` or ``await ref``."""
 
-    __slots__ = ("__weakref__", "_pending", "_skeleton", "_state")
+    # No __slots__: the references of Ray calls' results are also ``ray.ObjectRef`` instances
+    # (runtime/raycompat.py), and a slotted base cannot be joined with Ray's class.
 
     def __init__(self, state: RefState | None = None, skeleton: Any = _UNLOADED, *, pending: Pending | None = None):
         self._state = state
         self._skeleton = skeleton
         self._pending = pending
+        self._moved_by = ""
         if state is not None:
             agent = runtime_agent()
             if state.travels_inline and state.desc.owner.agent_id != agent.peer.agent_id:
@@ -176,6 +179,38 @@ class Ref:
     @property
     def device(self) -> str:
         return self._single("device").device
+
+    @property
+    def transport(self) -> str:
+        """The transport that moved this reference's value into this process the last time
+        it was fetched here ("" before any fetch; "object_store" for a task's staged result)."""
+        return self._moved_by
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names a Ref does not have: code that took the reference for its value.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if hasattr(type(self), name):
+            return object.__getattribute__(self, name)  # a property that raised: its own error again
+        raise UnresolvedRefError(
+            f"{name!r} was asked of a tensorwire reference (tw.Ref), not of its value: fetch the value with "
+            "tw.get(ref) (or ray.get(ref)), or pass the reference as an argument of a @tw.remote actor or task, "
+            "which resolves it"
+        )
+
+    def __getitem__(self, key: Any) -> Any:
+        raise UnresolvedRefError(
+            f"a tensorwire reference (tw.Ref) was indexed with {key!r}: fetch the value first with tw.get(ref)"
+        )
+
+    def __iter__(self) -> Any:
+        raise UnresolvedRefError("a tensorwire reference (tw.Ref) was iterated: fetch the value first with tw.get(ref)")
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        raise UnresolvedRefError("len() of a tensorwire reference (tw.Ref): fetch the value first with tw.get(ref)")
 
     def __repr__(self) -> str:
         if self._state is None:

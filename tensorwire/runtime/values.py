@@ -1,7 +1,9 @@
 """The value walker: split a nested value into a skeleton and its tensors, and join them again.
 
 Walked containers: ``dict`` (and subclasses such as ``OrderedDict``, keeping their attributes,
-e.g. a state dict's ``_metadata``), ``list``, ``tuple``, named tuples and dataclass instances.
+e.g. a state dict's ``_metadata``), ``list``, ``tuple``, named tuples, dataclass instances, and
+any type registered with torch's pytree utilities (``torch.utils._pytree.register_pytree_node``:
+TensorDict registers itself), which arrives as the same type.
 Leaves that are torch tensors, numpy arrays or DLPack producers (cupy, ...) become slots; every other leaf stays in the
 skeleton as an ordinary Python value (pickled with the reference). A tensor that appears
 twice (tied weights) becomes one slot and arrives as one tensor twice.
@@ -28,6 +30,7 @@ from tensorwire.transport.base import TensorKind
 __all__ = [
     "DESCEND",
     "Slot",
+    "TreeNode",
     "dumps_skeleton",
     "flatten",
     "map_container",
@@ -78,7 +81,47 @@ def map_container(value: Any, fn: Callable[[Any, str], Any], path: str) -> Any:
         for f in dataclasses.fields(value):
             object.__setattr__(new_obj, f.name, fn(getattr(value, f.name), f"{path}.{f.name}"))
         return new_obj
+    if isinstance(value, TreeNode):
+        return value.rebuilt([fn(child, f"{path}[{i}]") for i, child in enumerate(value.children)])
+    node = _pytree_node(value)
+    if node is not None:
+        children, context = node.flatten_fn(value)
+        return TreeNode(type(value), context, []).rebuilt([fn(c, f"{path}[{i}]") for i, c in enumerate(children)])
     return value
+
+
+def _pytree_node(value: Any) -> Any:
+    """torch's pytree registration of ``value``'s type (TensorDict, a user's container), if any."""
+    if isinstance(value, (torch.Tensor, np.ndarray, str, bytes, int, float, type(None))):
+        return None
+    from torch.utils import _pytree
+
+    return _pytree.SUPPORTED_NODES.get(type(value))
+
+
+class TreeNode:
+    """A container registered with torch's pytree utilities, held apart while its children
+    are slots (a TensorDict accepts only tensors); it becomes its own type again as soon as
+    its children allow, at the latest when the value is put back together."""
+
+    __slots__ = ("children", "context", "node_type")
+
+    def __init__(self, node_type: type, context: Any, children: list[Any]) -> None:
+        self.node_type, self.context, self.children = node_type, context, children
+
+    def rebuilt(self, children: list[Any]) -> Any:
+        """The container around ``children``, or a ``TreeNode`` while it refuses them."""
+        if not any(isinstance(c, (Slot, TreeNode)) for c in children):
+            from torch.utils import _pytree
+
+            try:
+                return _pytree.SUPPORTED_NODES[self.node_type].unflatten_fn(children, self.context)
+            except Exception:  # noqa: BLE001 - it does not take these children: stay apart
+                pass
+        return TreeNode(self.node_type, self.context, children)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (TreeNode, (self.node_type, self.context, self.children))
 
 
 def _as_tensor(value: Any, path: str) -> torch.Tensor:
@@ -247,8 +290,9 @@ class _SkeletonPickler(cloudpickle.CloudPickler):
     def persistent_id(self, obj: Any) -> None:
         if isinstance(obj, (torch.Tensor, np.ndarray)):
             raise _HiddenTensorError(
-                f"a {type(obj).__name__} sits inside an object tensorwire does not walk (only dict, list, tuple, "
-                "named tuples and dataclasses are); move it into one of those so it travels by reference"
+                f"a {type(obj).__name__} sits inside an object tensorwire does not walk (dict, list, tuple, named "
+                "tuples, dataclasses and types registered with torch.utils._pytree.register_pytree_node are); move it "
+                "into one of those, or register its type, so it travels by reference"
             )
 
 

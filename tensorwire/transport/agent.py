@@ -345,6 +345,15 @@ class Agent(TransportContext):
         with self._lock:
             return len(self._objects)
 
+    def owned_sharing(self, storage_ptrs: frozenset[int]) -> int:
+        """How many owned objects hold a tensor stored at one of ``storage_ptrs``
+        (``untyped_storage().data_ptr()``): the producer's ``wait_tensor_freed`` polls it."""
+        with self._lock:
+            return sum(
+                any(t.untyped_storage().data_ptr() in storage_ptrs for t in e.stored.tensors)
+                for e in self._objects.values()
+            )
+
     def owned_nbytes(self) -> int:
         with self._lock:
             return sum(e.stored.nbytes for e in self._objects.values())
@@ -877,9 +886,10 @@ class Agent(TransportContext):
         errors: list[str] = []
         names = [c.transport for c in selection.choices]
         # Bytes that travel inside the reference stay readable when the owner no longer has
-        # them (it does not track inline objects once they left): last resort for a forced one.
-        inline_rescue = forced and forced != "inline" and "inline" in handles and "inline" in self._transports
-        if inline_rescue:
+        # them (it does not track inline objects once they left, even when the reference comes
+        # back to it and the selector ranks "local" first): the last resort, forced or not.
+        inline_rescue = forced != "inline" and "inline" in handles and "inline" in self._transports
+        if inline_rescue and "inline" not in names:
             names.append("inline")
         for name in names:
             instance = self._transports[name]
@@ -901,7 +911,7 @@ class Agent(TransportContext):
                     instance.fetch(attempt, tensors)
                     zero_copy = False
             except (ObjectFreedError, OwnerDiedError, PeerLostError) as e:
-                if inline_rescue and name == forced:
+                if inline_rescue and name != "inline":
                     errors.append(f"{name}: {e}")
                     continue
                 if isinstance(e, PeerLostError):

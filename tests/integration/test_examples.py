@@ -45,3 +45,10 @@ def test_rl_weight_sync_learns_and_syncs_every_iteration():
     assert sum(rewards[-3:]) > 2 * sum(rewards[:3]), rewards  # the policy learns
     assert all(r[5] == "shm" for r in rows)  # read from the learner's staging slots
     assert "hold weight version [13, 13]" in out  # the first push, then one per iteration
+
+
+def test_ray_idioms():
+    out = run_example("ray_idioms.py")
+    assert "a tw.Ref and a ray.ObjectRef: True" in out
+    assert "rollout saw sum 1048576" in out and "step 2 sum 2097152" in out  # the buffer was reused after release
+    assert "driver got 1048576 floats via shm; ready: True" in out and "stats by reference: mean 2.0" in out
