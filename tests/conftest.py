@@ -40,20 +40,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_segments_left_behind():
-    """After the whole session no shared-memory segment of ours may remain."""
-    from tests.helpers.observe import segment_names
+_CALL_FAILED = pytest.StashKey[bool]()
 
-    before = segment_names()
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[_CALL_FAILED] = True
+    return report
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest):
+    """After each test (its fixtures torn down, nothing else cleaned up): no object still owned
+    by this process's agent, no tensorwire segment or segment descriptor left. The rules for
+    what counts are in ``tests/helpers/leaks.py``. A test that failed is not checked again (its
+    traceback keeps its references alive)."""
+    from tests.helpers import leaks
+
+    before = leaks.snapshot()
+    yield
+    if request.node.stash.get(_CALL_FAILED, False):
+        return
+    problems = leaks.leaks_since(before)
+    if problems:
+        pytest.fail(f"{request.node.nodeid} leaked: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def clean_up_after_the_session():
+    """Clean-up only (the checks are per test, in ``no_leaks``): stop this process's agent and
+    remove segments of workers that failure tests killed on purpose."""
     yield
     from tensorwire.transport.agent import shutdown_agent
     from tensorwire.transport.shm import remove_orphan_segments
 
     shutdown_agent()
-    remove_orphan_segments()  # segments of workers killed on purpose by failure tests
-    left = segment_names() - before
-    assert not left, f"shared-memory segments left behind: {sorted(left)}"
+    remove_orphan_segments()
 
 
 @pytest.fixture

@@ -1,0 +1,101 @@
+"""What the leak guard (``tests/conftest.py``) counts as leaked, in one place.
+
+A test leaks when, after it ends (its own fixtures torn down, nothing else cleaned up), this
+process's agent still owns objects it did not own before, a tensorwire shared-memory segment
+appeared that nobody will remove, or this process holds a new file descriptor of such a segment.
+
+Only :func:`segment_entries` and :func:`segment_fds` know how segments look; when the shm
+transport changes how it names or passes segments (memfd handed over a Unix socket), adapt those
+two functions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tests.helpers.observe import wait_until
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def segment_entries() -> set[str]:
+    """This user's tensorwire segments that someone alive must still remove.
+
+    Segments of an owner that no longer exists are left out: today a SIGKILLed producer (failure
+    tests kill them on purpose; ``ray.shutdown()`` kills workers without exit handlers) leaves
+    its named segments until the next agent on the machine removes them. With anonymous
+    (memfd) segments the kernel frees them instead, and this exclusion should go.
+    """
+    from tensorwire.transport.shm import SHM_DIR, segment_prefix
+
+    prefix = segment_prefix()
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return set()
+    kept = set()
+    for name in names:
+        fields = name[len(prefix) :].split("-")
+        pid = int(fields[0]) if fields and fields[0].isdigit() else None
+        if pid is None or _alive(pid):
+            kept.add(name)
+    return kept
+
+
+def segment_fds() -> dict[int, str]:
+    """This process's open file descriptors that point at a tensorwire segment."""
+    from tensorwire.transport.shm import SHM_DIR, segment_prefix
+
+    targets = (os.path.join(SHM_DIR, segment_prefix()), "/memfd:tw-")
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+        if target.startswith(targets):
+            found[int(fd)] = target
+    return found
+
+
+def owned_objects() -> int:
+    """Objects this process's agent owns (0 when no agent runs; never starts one)."""
+    from tensorwire.transport import agent as agent_module
+
+    instance = agent_module._agent
+    return instance.owned_objects() if instance is not None else 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    owned: int
+    segments: frozenset[str]
+    fds: frozenset[int]
+
+
+def snapshot() -> Snapshot:
+    return Snapshot(owned_objects(), frozenset(segment_entries()), frozenset(segment_fds()))
+
+
+def leaks_since(before: Snapshot, *, settle_s: float = 10.0) -> list[str]:
+    """What leaked since ``before``, as readable lines (empty: nothing). Releases by holders in
+    other processes arrive asynchronously, so each count gets ``settle_s`` to come back."""
+    problems = []
+    if not wait_until(lambda: owned_objects() <= before.owned, settle_s):
+        problems.append(f"this process's agent owns {owned_objects()} object(s), {before.owned} before the test")
+    if not wait_until(lambda: not segment_entries() - before.segments, settle_s):
+        problems.append(f"shared-memory segments left behind: {sorted(segment_entries() - before.segments)}")
+    fds = segment_fds()
+    new_fds = {fd: target for fd, target in fds.items() if fd not in before.fds}
+    if new_fds:
+        problems.append(f"file descriptors of segments still open: {new_fds}")
+    return problems
