@@ -16,22 +16,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 @functools.lru_cache(maxsize=1)
 def hardware() -> dict[str, object]:
     """One cached probe of the hardware the marked tests need."""
-    gpus = 0
-    try:
-        import torch
+    import torch
 
+    gpus, gpu_error = 0, ""
+    try:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        gpus = 0
+        if gpus:
+            torch.cuda.init()  # a driver that lists GPUs but cannot start fails here, not in the tests
+    except Exception as e:
+        gpus, gpu_error = 0, f"CUDA failed to start: {type(e).__name__}: {e}"
     rdma = os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
-    return {"gpus": gpus, "rdma": rdma}
+    return {"gpus": gpus, "gpu_error": gpu_error, "rdma": rdma}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     hw = hardware()
+    none_seen = hw["gpu_error"] or "this machine has none (torch.cuda sees 0 devices)"
     reasons = {
-        "gpu": None if hw["gpus"] >= 1 else "needs an NVIDIA GPU; this machine has none (torch.cuda sees 0 devices)",
-        "multi_gpu": None if hw["gpus"] >= 2 else f"needs 2 NVIDIA GPUs; this machine has {hw['gpus']}",
+        "gpu": None if hw["gpus"] >= 1 else f"needs an NVIDIA GPU; {none_seen}",
+        "multi_gpu": None
+        if hw["gpus"] >= 2
+        else f"needs 2 NVIDIA GPUs; this machine has {hw['gpus']}"
+        + (f" ({hw['gpu_error']})" if hw["gpu_error"] else ""),
         "rdma": None if hw["rdma"] else "needs an RDMA NIC; /sys/class/infiniband is empty or missing",
     }
     for item in items:
