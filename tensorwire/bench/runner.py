@@ -15,6 +15,19 @@ Scenarios (``--scenarios``, all by default):
   (one put, N gets) vs torch.distributed gloo broadcast.
 
 Process scenarios run first (standalone agents); the Ray scenarios then start a local Ray.
+
+What is interleaved, exactly: the Ray scenarios interleave their methods round by round
+(``bench/actors.py``). The process scenarios do not: per size, memcpy runs its whole loop in
+this process, then each tensorwire method runs its whole loop in a peer, one after the other;
+the bare gloo and ucxx baselines run after all sizes, between this process and the "other
+node" peer (the same process pair as the "other node" rows). Their rows are therefore exposed
+to load that changes between loops; compare them with that in mind, or rerun.
+
+What ``--check`` checks: every timed iteration of every method. Receive buffers are zeroed
+before each (outside the timing); the Ray scenarios and memcpy also change the data from one
+round to the next. A process-scenario fetch reads one put value for all its rounds (a new put
+per round would time exports, not fetches), so there zeroing is what makes a round that
+writes nothing fail.
 """
 
 from __future__ import annotations
@@ -22,7 +35,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -364,6 +379,30 @@ def _size(nbytes: int) -> str:
     return str(nbytes)
 
 
+_REASON_WIDTH = 44
+
+
+def _shorten(text: str, width: int = _REASON_WIDTH) -> str:
+    """``text`` cut at a word boundary to ``width`` characters, "…" marking the cut."""
+    if len(text) <= width:
+        return text
+    short = textwrap.shorten(text, width=width, placeholder=" …")
+    return short if short != "…" and short.strip() != "…" else text[: width - 1] + "…"
+
+
+def _rate(gbps: float) -> str:
+    """A bandwidth cell: "-" where the time was too short to measure (an infinite rate)."""
+    return f"{gbps:.3f}" if math.isfinite(gbps) else "-"
+
+
+def _fit_line(f: Fit) -> str:
+    if math.isfinite(f.bandwidth_gbps):
+        bandwidth = f"bandwidth {f.bandwidth_gbps:8.2f} GB/s"
+    else:
+        bandwidth = "bandwidth not measurable (the time did not grow with the size)"
+    return f"  {f.scenario:14} {f.method:40} latency {f.latency_us:10.1f} us   {bandwidth}"
+
+
 def format_table(rows: list[Row], fits: list[Fit]) -> str:
     """The result table (with a units row) and the latency/bandwidth fits, as text."""
     header = ("scenario", "method", "transport: reason", "size", "tensors", "peers", "p50", "p99", "algbw",
@@ -372,8 +411,8 @@ def format_table(rows: list[Row], fits: list[Fit]) -> str:
     lines = [header, units]
     for r in rows:
         reason = f"{r.transport}: {r.reason}" if r.transport else r.reason
-        lines.append((r.scenario, r.method, reason[:44], _size(r.nbytes), str(r.tensors), str(r.peers),
-                      f"{r.p50_us:.1f}", f"{r.p99_us:.1f}", f"{r.gbps:.3f}", f"{r.busbw_gbps:.3f}",
+        lines.append((r.scenario, r.method, _shorten(reason), _size(r.nbytes), str(r.tensors), str(r.peers),
+                      f"{r.p50_us:.1f}", f"{r.p99_us:.1f}", _rate(r.gbps), _rate(r.busbw_gbps),
                       "-" if r.wrong < 0 else str(r.wrong),
                       "" if r.vs_best_baseline is None else f"{r.vs_best_baseline:.2f}",
                       "" if r.vs_memcpy is None else f"{r.vs_memcpy:.2f}"))  # fmt: skip
@@ -382,8 +421,7 @@ def format_table(rows: list[Row], fits: list[Fit]) -> str:
             strict=True))) for line in lines]  # fmt: skip
     if fits:
         text += ["", "fixed cost per transfer and asymptotic bandwidth (least-squares fit over sizes):"]
-        text += [f"  {f.scenario:14} {f.method:40} latency {f.latency_us:10.1f} us   "
-                 f"bandwidth {f.bandwidth_gbps:8.2f} GB/s" for f in fits]  # fmt: skip
+        text += [_fit_line(f) for f in fits]
     return "\n".join(text)
 
 
