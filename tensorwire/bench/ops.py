@@ -26,9 +26,13 @@ __all__ = ["dispatch", "make_value", "matches", "pattern"]
 _state: dict[str, Any] = {}
 
 
-def pattern(nbytes: int, seed: int = 0) -> torch.Tensor:
-    """``nbytes`` bytes of a fixed pattern (differs between seeds and positions)."""
-    return ((torch.arange(nbytes, dtype=torch.int64) + seed) % 251).to(torch.uint8)
+def pattern(nbytes: int, seed: int = 0, device: Any = None) -> torch.Tensor:
+    """``nbytes`` bytes of a fixed pattern, ``(position + seed) % 251`` (differs between seeds
+    and positions), made by tiling one period: no temporary larger than the result."""
+    period = ((torch.arange(251, dtype=torch.int64) + seed) % 251).to(torch.uint8)
+    if device is not None:
+        period = period.to(device)
+    return period.repeat(nbytes // 251 + 1)[:nbytes]
 
 
 def make_value(nbytes: int, tensors: int, seed: int = 0) -> torch.Tensor | list[torch.Tensor]:

@@ -33,7 +33,7 @@ _fetches = itertools.count()
 
 
 def _writes_nothing(base: type) -> type:
-    def fetch(self, request, dst: Sequence[torch.Tensor]) -> None:  # noqa: ANN001 - the base's signature
+    def fetch(self, request, dst: Sequence[torch.Tensor]) -> None:
         if next(_fetches) < int(os.environ.get(AFTER_ENV, "0") or 0):
             return base.fetch(self, request, dst)
         scratch = [torch.empty_like(t) for t in dst]  # the protocol runs to its end, into scratch
