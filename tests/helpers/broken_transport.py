@@ -32,14 +32,25 @@ def environment(transports: str, *, after: int = 0) -> dict[str, str]:
 _fetches = itertools.count()
 
 
+def _intact() -> bool:
+    return next(_fetches) < int(os.environ.get(AFTER_ENV, "0") or 0)
+
+
 def _writes_nothing(base: type) -> type:
     def fetch(self, request, dst: Sequence[torch.Tensor]) -> None:
-        if next(_fetches) < int(os.environ.get(AFTER_ENV, "0") or 0):
+        if _intact():
             return base.fetch(self, request, dst)
         scratch = [torch.empty_like(t) for t in dst]  # the protocol runs to its end, into scratch
         return base.fetch(self, request, scratch)
 
-    return type(f"WritesNothing{base.__name__}", (base,), {"fetch": fetch, "__module__": __name__})
+    def view(self, request) -> list[torch.Tensor]:  # zero-copy views (shm): zeros, not the producer's bytes
+        views = base.view(self, request)
+        return views if _intact() else [torch.zeros_like(v) for v in views]
+
+    members = {"fetch": fetch, "__module__": __name__}
+    if hasattr(base, "view"):
+        members["view"] = view
+    return type(f"WritesNothing{base.__name__}", (base,), members)
 
 
 def install(names: str) -> list[str]:
