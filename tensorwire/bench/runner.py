@@ -217,6 +217,8 @@ def _process_scenarios(options: Options, progress: Progress, notes: list[str]) -
     agent = runtime_agent()
     sizes, rows = options.sizes, []
     forced = _transports_to_run(options, notes)
+    if "p2p-processes" in options.scenarios:
+        progress.total += len(sizes) * len(forced)
     envs = {f"same{i}": {"OMP_NUM_THREADS": "1"} for i in range(max(1, options.peers))}
     envs["other"] = {"OMP_NUM_THREADS": "1", "TENSORWIRE_NODE_ID": f"{agent.peer.node_id}/bench"}
     with spawn(ops.dispatch, envs) as peers:
@@ -239,6 +241,7 @@ def _process_scenarios(options: Options, progress: Progress, notes: list[str]) -
                 for name, same_node, device in forced:
                     caps = registry.get_transport_class(name).capabilities
                     if name == "inline" and nbytes > agent.config.inline_max_nbytes:
+                        progress.total -= 1
                         continue
                     ref = host_ref
                     if MemoryKind.HOST not in caps.memory:
@@ -349,12 +352,19 @@ def _fits(rows: list[Row]) -> list[Fit]:
     return fits
 
 
+def _steps(options: Options) -> int:
+    """Progress steps of the selected scenarios (forced transports are added once known)."""
+    per_size = {"p2p-processes": 3, "p2p-actors": 4, "one-to-n": 3}  # memcpy + 2 autos; 4 methods; 3 methods
+    steps = sum(per_size.get(s, 0) for s in options.scenarios) * len(options.sizes)
+    steps += 2 * ("p2p-processes" in options.scenarios)  # bare gloo, bare ucxx
+    steps += len(MANY_TENSORS) * ("many-tensors" in options.scenarios) + ("concurrent" in options.scenarios)
+    return steps
+
+
 def run(options: Options, progress_enabled: bool = False) -> tuple[list[Row], list[Fit], list[str]]:
     """Every requested scenario; (rows, latency/bandwidth fits, notes on what was skipped)."""
     notes: list[str] = []
-    process_steps = len(options.sizes) * 8 + 2 + len(MANY_TENSORS) + 1
-    ray_steps = len(options.sizes) * 7
-    progress = Progress(process_steps + ray_steps, progress_enabled)
+    progress = Progress(_steps(options), progress_enabled)
     rows: list[Row] = []
     try:
         if set(options.scenarios) & {"p2p-processes", "many-tensors", "concurrent"}:
