@@ -52,6 +52,21 @@ def segment_entries() -> set[str]:
     return kept
 
 
+def _owner(name: str) -> str:
+    """Who owns segment ``name``: this process, or the pid and command line of another."""
+    from tensorwire.transport.shm import segment_prefix
+
+    pid = name[len(segment_prefix()) :].split("-", maxsplit=1)[0]
+    if pid == str(os.getpid()):
+        return "this process"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        command = "?"
+    return f"pid {pid} ({command[:80]})"
+
+
 def segment_fds() -> dict[int, str]:
     """This process's open file descriptors that point at a tensorwire segment."""
     from tensorwire.transport.shm import SHM_DIR, segment_prefix
@@ -98,7 +113,9 @@ def leaks_since(before: Snapshot, *, settle_s: float = 10.0) -> list[str]:
     if not wait_until(lambda: owned_objects() <= before.owned, settle_s):
         problems.append(f"this process's agent owns {owned_objects()} object(s), {before.owned} before the test")
     if not wait_until(lambda: not segment_entries() - before.segments, settle_s):
-        problems.append(f"shared-memory segments left behind: {sorted(segment_entries() - before.segments)}")
+        left = sorted(segment_entries() - before.segments)
+        owners = sorted({_owner(name) for name in left})
+        problems.append(f"shared-memory segments left behind: {left} (owned by {', '.join(owners)})")
     fds = segment_fds()
     new_fds = {fd: target for fd, target in fds.items() if fd not in before.fds}
     if new_fds:
