@@ -18,18 +18,28 @@ from dataclasses import dataclass
 from tests.helpers.observe import wait_until
 
 
-def _alive(pid: int) -> bool:
+def _parent(pid: int) -> int:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0  # gone
+
+
+def _ours(pid: int) -> bool:
+    """Whether ``pid`` is this process or one of its descendants, alive (other users of the
+    machine, e.g. other test runs under the same uid, have segments too)."""
+    me, seen = os.getpid(), 0
+    while pid > 1 and seen < 64:
+        if pid == me:
+            return True
+        pid, seen = _parent(pid), seen + 1
+    return False
 
 
 def segment_entries() -> set[str]:
-    """This user's tensorwire segments that someone alive must still remove.
+    """Tensorwire segments of this process and its descendants that someone alive must still
+    remove.
 
     Segments of an owner that no longer exists are left out: today a SIGKILLed producer (failure
     tests kill them on purpose; ``ray.shutdown()`` kills workers without exit handlers) leaves
@@ -47,7 +57,7 @@ def segment_entries() -> set[str]:
     for name in names:
         fields = name[len(prefix) :].split("-")
         pid = int(fields[0]) if fields and fields[0].isdigit() else None
-        if pid is None or _alive(pid):
+        if pid is not None and _ours(pid):
             kept.add(name)
     return kept
 
