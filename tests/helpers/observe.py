@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
@@ -18,13 +17,11 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
 
 
 def segment_names() -> set[str]:
-    """This user's tensorwire shared-memory segments."""
-    from tensorwire.transport.shm import SHM_DIR, segment_prefix
+    """Tensorwire shared-memory segments of this process and its live descendants (other runs
+    on the machine share the uid; see ``tests.helpers.leaks.segment_entries``)."""
+    from tests.helpers.leaks import segment_entries
 
-    try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith(segment_prefix())}
-    except OSError:
-        return set()
+    return segment_entries()
 
 
 def segment_count() -> int:

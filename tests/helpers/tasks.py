@@ -229,3 +229,7 @@ def get_into_file(path: str, ref: tw.Ref, **kwargs: Any) -> str:
 
 def transfers_serving() -> int:
     return tw.stats()["transfers_serving"]
+
+
+def agent_id() -> str:
+    return tw.stats()["agent_id"]
