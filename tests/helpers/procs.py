@@ -35,13 +35,18 @@ def _serve(conn: Any, env: dict[str, str]) -> None:
             return
         target, payload = message
         try:
-            module_name, fn_name = target.split(":")
-            fn = getattr(importlib.import_module(module_name), fn_name)
-            args, kwargs = pickle.loads(payload)
-            result = fn(*args, **kwargs)
-            conn.send(("ok", pickle.dumps(result)))
+            conn.send(("ok", _run(target, payload)))
         except BaseException as e:
             conn.send(("error", (type(e).__name__, traceback.format_exc())))
+            del e  # nothing of a call (its references above all) outlives it in this loop
+
+
+def _run(target: str, payload: bytes) -> bytes:
+    """One call, pickled result; its arguments and result die when it returns."""
+    module_name, fn_name = target.split(":")
+    fn = getattr(importlib.import_module(module_name), fn_name)
+    args, kwargs = pickle.loads(payload)
+    return pickle.dumps(fn(*args, **kwargs))
 
 
 class Worker:
