@@ -35,3 +35,18 @@ def test_a_segment_descriptor_left_open_is_reported(agent):
     finally:
         os.close(fd)
     assert leaks.leaks_since(before) == []
+
+
+def test_a_segment_of_a_process_started_during_the_test_is_reported():
+    from tests.helpers.procs import Worker
+
+    before = leaks.snapshot()
+    worker = Worker()
+    try:
+        ref, _ = worker.call("tests.helpers.tasks:put_and_return", 1 << 20)  # exported: a segment in the worker
+        problems = leaks.leaks_since(before, settle_s=0.2)
+        assert len(problems) == 1 and f"(owned by pid {worker.pid} " in problems[0], problems
+        del ref  # released: the worker frees the object and its segment
+        assert leaks.leaks_since(before) == []
+    finally:
+        worker.close()

@@ -3,6 +3,9 @@
 A test leaks when, after it ends (its own fixtures torn down, nothing else cleaned up), this
 process's agent still owns objects it did not own before, a tensorwire shared-memory segment
 appeared that nobody will remove, or this process holds a new file descriptor of such a segment.
+Segments count when this process or a process started during the test owns them: processes
+that outlive a test on purpose (module fixtures: Ray actors, workers) may hold references
+across tests.
 
 Only :func:`segment_entries` and :func:`segment_fds` know how segments look; when the shm
 transport changes how it names or passes segments (memfd handed over a Unix socket), adapt those
@@ -53,20 +56,12 @@ def segment_entries() -> set[str]:
         names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
     except OSError:
         return set()
-    kept = set()
-    for name in names:
-        fields = name[len(prefix) :].split("-")
-        pid = int(fields[0]) if fields and fields[0].isdigit() else None
-        if pid is not None and _ours(pid):
-            kept.add(name)
-    return kept
+    return {name for name in names if _ours(_owner_pid(name))}
 
 
 def _owner(name: str) -> str:
     """Who owns segment ``name``: this process, or the pid and command line of another."""
-    from tensorwire.transport.shm import segment_prefix
-
-    pid = name[len(segment_prefix()) :].split("-", maxsplit=1)[0]
+    pid = str(_owner_pid(name))
     if pid == str(os.getpid()):
         return "this process"
     try:
@@ -93,6 +88,19 @@ def segment_fds() -> dict[int, str]:
     return found
 
 
+def _owner_pid(name: str) -> int:
+    from tensorwire.transport.shm import segment_prefix
+
+    field = name[len(segment_prefix()) :].split("-", maxsplit=1)[0]
+    return int(field) if field.isdigit() else 0
+
+
+def descendants() -> frozenset[int]:
+    """Live descendants of this process."""
+    me = os.getpid()
+    return frozenset(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me and _ours(int(p)))
+
+
 def owned_objects() -> int:
     """Objects this process's agent owns (0 when no agent runs; never starts one)."""
     from tensorwire.transport import agent as agent_module
@@ -106,10 +114,15 @@ class Snapshot:
     owned: int
     segments: frozenset[str]
     fds: frozenset[int]
+    processes: frozenset[int]  # descendants alive before the test
 
 
 def snapshot() -> Snapshot:
-    return Snapshot(owned_objects(), frozenset(segment_entries()), frozenset(segment_fds()))
+    return Snapshot(owned_objects(), frozenset(segment_entries()), frozenset(segment_fds()), descendants())
+
+
+def _new_segments(before: Snapshot) -> set[str]:
+    return {n for n in segment_entries() - before.segments if _owner_pid(n) not in before.processes}
 
 
 def leaks_since(before: Snapshot, *, settle_s: float = 10.0) -> list[str]:
@@ -122,8 +135,8 @@ def leaks_since(before: Snapshot, *, settle_s: float = 10.0) -> list[str]:
         gc.collect()
     if not wait_until(lambda: owned_objects() <= before.owned, settle_s):
         problems.append(f"this process's agent owns {owned_objects()} object(s), {before.owned} before the test")
-    if not wait_until(lambda: not segment_entries() - before.segments, settle_s):
-        left = sorted(segment_entries() - before.segments)
+    if not wait_until(lambda: not _new_segments(before), settle_s):
+        left = sorted(_new_segments(before))
         owners = sorted({_owner(name) for name in left})
         problems.append(f"shared-memory segments left behind: {left} (owned by {', '.join(owners)})")
     fds = segment_fds()
