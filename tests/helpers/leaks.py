@@ -131,8 +131,7 @@ def leaks_since(before: Snapshot, *, settle_s: float = 10.0) -> list[str]:
     garbage collection frees (references in a cycle, e.g. through a caught exception's
     traceback) is not a leak."""
     problems = []
-    if owned_objects() > before.owned:
-        gc.collect()
+    gc.collect()  # a cycle here may hold references to objects of this or another process
     if not wait_until(lambda: owned_objects() <= before.owned, settle_s):
         problems.append(f"this process's agent owns {owned_objects()} object(s), {before.owned} before the test")
     if not wait_until(lambda: not _new_segments(before), settle_s):
