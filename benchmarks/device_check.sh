@@ -2,7 +2,10 @@
 # Everything that needs an NVIDIA GPU, in one run of under 8 minutes on one GPU:
 # every test marked gpu / multi_gpu (tests/gpu, the collectives between plain processes, plus
 # the GPU logic tests), then the GPU transport benchmark (benchmarks/gpu.py) and the process
-# scenarios of `tensorwire bench` (the Ray ones need Ray, which the device machine lacks).
+# scenarios of `tensorwire bench` (the Ray ones need Ray, which the device machine lacks: the
+# one Ray GPU test, test_ray_actors_with_fractional_gpus_share_one_gpu, skips saying so; see
+# docs/performance.md, "What the GPU check cannot run"). benchmarks.gpu exits 1 when a method
+# fails or delivers wrong data; its exit status is in the report.
 # Writes device_report.md, pytest.log, bench.log and bench.json under $OUT (the device tool's
 # output folder) or ./device_report/.
 #

@@ -16,22 +16,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 @functools.lru_cache(maxsize=1)
 def hardware() -> dict[str, object]:
     """One cached probe of the hardware the marked tests need."""
-    gpus = 0
-    try:
-        import torch
+    import torch
 
+    gpus, gpu_error = 0, ""
+    try:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        gpus = 0
+        if gpus:
+            torch.cuda.init()  # a driver that lists GPUs but cannot start fails here, not in the tests
+    except Exception as e:
+        gpus, gpu_error = 0, f"CUDA failed to start: {type(e).__name__}: {e}"
     rdma = os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
-    return {"gpus": gpus, "rdma": rdma}
+    return {"gpus": gpus, "gpu_error": gpu_error, "rdma": rdma}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     hw = hardware()
+    none_seen = hw["gpu_error"] or "this machine has none (torch.cuda sees 0 devices)"
     reasons = {
-        "gpu": None if hw["gpus"] >= 1 else "needs an NVIDIA GPU; this machine has none (torch.cuda sees 0 devices)",
-        "multi_gpu": None if hw["gpus"] >= 2 else f"needs 2 NVIDIA GPUs; this machine has {hw['gpus']}",
+        "gpu": None if hw["gpus"] >= 1 else f"needs an NVIDIA GPU; {none_seen}",
+        "multi_gpu": None
+        if hw["gpus"] >= 2
+        else f"needs 2 NVIDIA GPUs; this machine has {hw['gpus']}"
+        + (f" ({hw['gpu_error']})" if hw["gpu_error"] else ""),
         "rdma": None if hw["rdma"] else "needs an RDMA NIC; /sys/class/infiniband is empty or missing",
     }
     for item in items:
@@ -40,15 +46,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_segments_left_behind():
-    """Nothing of tensorwire's may ever be named in /dev/shm (segments are anonymous)."""
-    from tests.helpers.observe import segment_names
+_CALL_FAILED = pytest.StashKey[bool]()
 
-    before = segment_names()
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[_CALL_FAILED] = True
+    return report
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest):
+    """After each test (its fixtures torn down, nothing else cleaned up): no object still owned
+    by this process's agent, no tensorwire segment or segment descriptor left. The rules for
+    what counts are in ``tests/helpers/leaks.py``. A test that failed is not checked again (its
+    traceback keeps its references alive)."""
+    from tests.helpers import leaks
+
+    before = leaks.snapshot()
     yield
-    left = segment_names() - before
-    assert not left, f"named shared-memory segments in /dev/shm: {sorted(left)}"
+    if request.node.stash.get(_CALL_FAILED, False):
+        return
+    problems = leaks.leaks_since(before)
+    if problems:
+        pytest.fail(f"{request.node.nodeid} leaked: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def clean_up_after_the_session():
+    """Clean-up only (the checks are per test, in ``no_leaks``): stop this process's agent.
+    (Segments are anonymous: the kernel frees those of workers that tests killed on purpose.)"""
+    yield
+    from tensorwire.transport.agent import shutdown_agent
+
+    shutdown_agent()
 
 
 @pytest.fixture

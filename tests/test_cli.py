@@ -1,4 +1,6 @@
-"""``tensorwire topo`` on this machine (no GPU, no NVML, no RDMA NIC)."""
+"""``tensorwire topo`` and ``tensorwire doctor``: what they report follows this machine's
+hardware (the suite's one probe, ``tests.conftest.hardware``), and ``topo --address`` reports
+every node of a running Ray cluster."""
 
 from __future__ import annotations
 
@@ -6,6 +8,17 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
+
+from tests.conftest import hardware
+
+BASE_USABLE = {"local", "inline", "shm", "host", "gloo", "ucx"}  # ucxx is in the test extra
+
+
+def _gpu_usable() -> set[str]:
+    """The GPU transports usable with this machine's GPUs (none without a GPU)."""
+    return {"cuda_ipc", "nccl"} if hardware()["gpus"] else set()
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> str:
@@ -26,13 +39,16 @@ def test_topo_json_describes_this_node():
     assert report["node_id"] == "cli-node" and report["machine_id"] != "cli-node"
     assert report["cpus"] == os.cpu_count()
     assert report["shared_memory"]["total_nbytes"] > 0
-    usable = {"local", "inline", "shm", "host", "gloo", "ucx"}  # ucxx is in the test extra
-    assert {k for k, v in report["transports"].items() if v == "usable"} == usable
-    assert report["transports"]["cuda_ipc"] == "no CUDA device visible to this process"
+    assert {k for k, v in report["transports"].items() if v == "usable"} == BASE_USABLE | _gpu_usable()
+    if not hardware()["gpus"]:
+        assert report["transports"]["cuda_ipc"] == "no CUDA device visible to this process"
     nvidia = report["accelerators"]["nvidia"]
     assert nvidia["resource"] == "GPU" and nvidia["visibility_env"] == ["CUDA_VISIBLE_DEVICES"]
-    if not nvidia["devices"]:
+    if hardware()["gpus"]:
+        assert len(nvidia["devices"]) >= hardware()["gpus"]
+    else:
         assert nvidia["reason"]  # no GPU here: the reason is recorded, nothing raised
+    assert bool(report["rdma_nics"]) == hardware()["rdma"]
     assert report["transport_libraries"]["gloo"] == "available"
 
 
@@ -106,10 +122,18 @@ def test_doctor_checks_every_transport_with_a_real_transfer():
     for name in ("host", "gloo", "ucx"):  # the cross-node paths were exercised
         assert (f"transport {name}", "other node, 1024 KiB") in details
     gpu_only = {r["check"]: r for r in results if r["check"] in ("transport cuda_ipc", "transport nccl")}
-    assert {r["status"] for r in gpu_only.values()} == {"warn"}  # no GPU here: a warning with the reason
-    assert gpu_only["transport nccl"]["detail"] == "no CUDA device visible to this process"
+    gpus = hardware()["gpus"]
+    if not gpus:  # a warning with the reason, not a failure
+        assert {r["status"] for r in gpu_only.values()} == {"warn"}
+        assert gpu_only["transport nccl"]["detail"] == "no CUDA device visible to this process"
+    else:
+        assert "transport cuda_ipc" in ok
+        if gpus == 1:
+            assert gpu_only["transport nccl"]["detail"] == "needs two GPUs (one per process); this machine has 1"
     ucx = next(r for r in results if r["check"] == "UCX transports")  # which UCX transports are active
-    assert ucx["status"] == "warn" and "tcp" in ucx["detail"] and "no InfiniBand" in ucx["detail"]
+    assert ucx["status"] in ("ok", "warn") and ucx["detail"]
+    if not hardware()["rdma"]:
+        assert ucx["status"] == "warn" and "tcp" in ucx["detail"] and "no InfiniBand" in ucx["detail"]
     nvml = next(r for r in results if r["check"] == "NVML")
     assert nvml["status"] in ("ok", "warn") and nvml["detail"]
 
@@ -120,3 +144,38 @@ def test_doctor_reports_a_broken_transport_and_fails():
     failed = [r for r in results if r["status"] == "fail"]
     assert failed and all(r["check"] == "transport inline" for r in failed)
     assert "TENSORWIRE_INLINE_NBYTES" in failed[0]["detail"]
+
+
+def test_doctor_text_output_is_one_line_per_check():
+    done = subprocess.run([sys.executable, "-m", "tensorwire", "doctor"], capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ), check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    _, results = run_doctor()  # the same checks as JSON: one aligned line each, in the same order
+    assert done.stdout.splitlines() == [f"{r['status'].upper():5} {r['check']:20} {r['detail']}" for r in results]
+    assert f"OK    {'transport shm':20} same node, 1024 KiB" in done.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    import tensorwire as tw
+    from tests.integration.conftest import ray_session
+
+    with ray_session():
+        tw.init(num_cpus=1, include_dashboard=False)
+        try:
+            yield ray.get_runtime_context().gcs_address
+        finally:
+            ray.shutdown()
+
+
+def test_topo_address_reports_every_node_of_a_ray_cluster(ray_cluster):
+    import ray
+
+    reports = json.loads(run_cli("topo", "--json", "--address", ray_cluster))
+    assert {r["node_id"] for r in reports} == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert all(r["transports"]["host"] == "usable" and r["transports"]["shm"] == "usable" for r in reports)
+    text = run_cli("topo", "--address", ray_cluster)
+    assert text.count("\nnode ") + text.startswith("node ") == len(reports)
+    assert f"node {reports[0]['node_id']}" in text and "transports: local (usable)" in text

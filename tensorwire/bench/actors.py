@@ -4,6 +4,13 @@ Every method moves the same value between the same kind of actors, and the recei
 copies it into buffers it keeps (what loading weights does), so the rows compare like with
 like. A round is timed from the caller: start the producer's call, hand its result to the
 consumer(s), wait for them.
+
+The methods of one size are interleaved: after each method's warm-up rounds, round ``r`` of
+every method runs before round ``r + 1`` of any (in rotating order), so load on the machine
+falls on all of them alike. With ``--check``, before every timed round (outside the timing)
+the producer re-patterns its value with a seed of that round and the consumers zero their
+buffers; after it, every consumer's buffers are compared with that round's pattern, so a round
+that delivers nothing, or delivers an earlier round's data, counts as wrong.
 """
 
 from __future__ import annotations
@@ -37,6 +44,12 @@ class _Node:
         self.value = {f"t{i}": t.to(device) for i, t in enumerate(values)}
         self.buffers = {name: torch.zeros_like(t) for name, t in self.value.items()}
 
+    def repattern(self, nbytes: int, tensors: int, seed: int) -> None:
+        """Give the value (in place) the pattern of ``seed``: each checked round sends new data."""
+        value = ops.make_value(nbytes, tensors, seed)
+        for tensor, fresh in zip(self.value.values(), value if isinstance(value, list) else [value], strict=True):
+            tensor.copy_(fresh)
+
     def take(self, value: dict[str, torch.Tensor]) -> int:
         for name, buffer in self.buffers.items():
             buffer.copy_(value[name])
@@ -46,9 +59,9 @@ class _Node:
         for buffer in self.buffers.values():
             buffer.zero_()
 
-    def verify(self, nbytes: int, tensors: int) -> bool:
+    def verify(self, nbytes: int, tensors: int, seed: int = 0) -> bool:
         values = list(self.buffers.values())
-        return ops.matches(values[0] if tensors == 1 else values, nbytes, tensors)
+        return ops.matches(values[0] if tensors == 1 else values, nbytes, tensors, seed)
 
     # one-to-N baselines
     def put_state(self) -> list:
@@ -104,34 +117,55 @@ def _hand_over(source: Any, consumer: Any, method: str) -> None:
     ray.get(consumer.take.remote(getattr(source, method).remote()))
 
 
+class _Plan:
+    """One method of a comparison: ``fn()`` is a round; ``source`` sends, ``consumers`` receive."""
+
+    def __init__(self, fn: Any, source: Any, consumers: list[Any], baseline: bool) -> None:
+        self.fn, self.source, self.consumers, self.baseline = fn, source, consumers, baseline
+        self.times: list[float] = []
+        self.wrong = 0
+
+    def prepare(self, nbytes: int, tensors: int, seed: int) -> None:
+        ray.get([self.source.repattern.remote(nbytes, tensors, seed), *(c.clear.remote() for c in self.consumers)])
+
+    def verify(self, nbytes: int, tensors: int, seed: int) -> bool:
+        return all(ray.get([c.verify.remote(nbytes, tensors, seed) for c in self.consumers]))
+
+
+def _interleaved(plans: dict[str, _Plan], nbytes: int, tensors: int, options: Any) -> dict[str, dict]:
+    """Warm-ups per method, then the timed rounds interleaved across methods in rotating
+    order; with ``options.check``, re-pattern and clear before each timed round and verify
+    after it (see the module docstring). {method: {"times", "wrong"}}."""
+    for plan in plans.values():
+        for _ in range(options.warmups):
+            plan.fn()
+    order = list(plans.values())
+    for r in range(options.iterations):
+        for k in range(len(order)):
+            plan = order[(r + k) % len(order)]
+            seed = r + 1  # round 0 of the warm-ups used seed 0
+            if options.check:
+                plan.prepare(nbytes, tensors, seed)
+            start = time.perf_counter()
+            plan.fn()
+            plan.times.append(time.perf_counter() - start)
+            if options.check and not plan.verify(nbytes, tensors, seed):
+                plan.wrong += 1
+    return {m: {"times": p.times, "wrong": p.wrong if options.check else -1} for m, p in plans.items()}
+
+
 def _measure(
-    scenario: str, plans: dict[str, tuple[Any, Any, bool]], nbytes: int, options: Any, *, reason: str,
-    progress: Any = None,
+    scenario: str, plans: dict[str, _Plan], nbytes: int, options: Any, *, reason: str, progress: Any = None,
 ) -> list[Any]:  # fmt: skip
-    """A row per ``method: (round, consumer, is a baseline)``: ``round()`` timed, and the
-    consumer's buffers checked after each timed round when asked."""
+    """A row per method, measured interleaved (:func:`_interleaved`)."""
     rows = []
-    for method, (fn, consumer, baseline) in plans.items():
-        result = _timed(fn, lambda c=consumer: ray.get(c.verify.remote(nbytes, 1)), options)
+    for method, result in _interleaved(plans, nbytes, 1, options).items():
+        baseline = plans[method].baseline
         rows.append(make_row(scenario, method, result, baseline=baseline, nbytes=nbytes,
                              transport="" if baseline else "auto", reason=reason))  # fmt: skip
         if progress is not None:
             progress.step(f"actors {method} {nbytes}")
     return rows
-
-
-def _timed(fn: Any, check: Any, options: Any) -> dict:
-    """Run ``fn`` warm-up + iteration times; ``check()`` after each timed one if asked."""
-    for _ in range(options.warmups):
-        fn()
-    times, wrong = [], 0
-    for _ in range(options.iterations):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-        if options.check and not check():
-            wrong += 1
-    return {"times": times, "wrong": wrong if options.check else -1}
 
 
 def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
@@ -167,13 +201,16 @@ def _p2p(options: Any, progress: Any, notes: list[str]) -> list[Any]:
         nodes = [tw_src, tw_dst, ray_src, ray_dst, zc_src, zc_dst]
         ray.get([n.set.remote(nbytes, 1) for n in nodes])
         plans = {
-            "tensorwire (@tw.method ref)": (functools.partial(_hand_over, tw_src, tw_dst, "value_ref"), tw_dst, False),
-            "Ray object store": (functools.partial(_hand_over, ray_src, ray_dst, "value_plain"), ray_dst, True),
-            "Ray object store, zero-copy torch": (
-                functools.partial(_hand_over, zc_src, zc_dst, "value_plain"), zc_dst, True),
+            "tensorwire (@tw.method ref)": _Plan(functools.partial(_hand_over, tw_src, tw_dst, "value_ref"), tw_src,
+                                                 [tw_dst], False),
+            "Ray object store": _Plan(functools.partial(_hand_over, ray_src, ray_dst, "value_plain"), ray_src,
+                                      [ray_dst], True),
+            "Ray object store, zero-copy torch": _Plan(functools.partial(_hand_over, zc_src, zc_dst, "value_plain"),
+                                                       zc_src, [zc_dst], True),
         }  # fmt: skip
         if rdt:
-            plans["Ray RDT (gloo)"] = (functools.partial(_hand_over, ray_src, ray_dst, "value_rdt"), ray_dst, True)
+            plans["Ray RDT (gloo)"] = _Plan(functools.partial(_hand_over, ray_src, ray_dst, "value_rdt"), ray_src,
+                                            [ray_dst], True)  # fmt: skip
         rows += _measure("p2p-actors", plans, nbytes, options, reason="actor -> actor, the consumer copies it in",
                          progress=progress)  # fmt: skip
     return rows
@@ -213,9 +250,10 @@ def _p2p_gpu(options: Any, notes: list[str]) -> list[Any]:
         for nbytes in options.sizes:
             ray.get([n.set.remote(nbytes, 1, "cuda") for n in (tw_src, tw_dst, ray_src, ray_dst)])
             plans = {
-                f"tensorwire GPU ({rdt} placement)": (functools.partial(_hand_over, tw_src, tw_dst, "value_ref"),
-                                                      tw_dst, False),
-                f"Ray RDT ({rdt})": (functools.partial(_hand_over, ray_src, ray_dst, method_name), ray_dst, True),
+                f"tensorwire GPU ({rdt} placement)": _Plan(functools.partial(_hand_over, tw_src, tw_dst, "value_ref"),
+                                                           tw_src, [tw_dst], False),
+                f"Ray RDT ({rdt})": _Plan(functools.partial(_hand_over, ray_src, ray_dst, method_name), ray_src,
+                                          [ray_dst], True),
             }  # fmt: skip
             rows += _measure(f"p2p-actors-gpu-{rdt}", plans, nbytes, options,
                              reason="GPU actor -> GPU actor, unverified path")  # fmt: skip
@@ -240,25 +278,18 @@ def _one_to_n(options: Any, progress: Any) -> list[Any]:
             ray.get([a.set.remote(nbytes, tensors) for a in everyone])
             sync = tw.WeightSync(source, receivers, source="value", target="buffers", progress=False)
 
-            def verify_all(tensors: int = tensors, nbytes: int = nbytes) -> bool:
-                return all(ray.get([r.verify.remote(nbytes, tensors) for r in receivers]))
-
-            def clear() -> None:
-                ray.get([r.clear.remote() for r in receivers])
-
             def store() -> None:
                 boxed = ray.get(source.put_state.remote())
                 ray.get([r.load_from_store.remote(boxed) for r in receivers])
 
             plans = {
-                "tensorwire WeightSync": (lambda s=sync: _ok(s.push()), False),
-                "Ray object store (put once, N gets)": (store, True),
-                "torch.distributed gloo broadcast": (
-                    lambda: ray.get([a.broadcast_all.remote("tw-bench") for a in everyone]), True),
+                "tensorwire WeightSync": _Plan(lambda s=sync: _ok(s.push()), source, receivers, False),
+                "Ray object store (put once, N gets)": _Plan(store, source, receivers, True),
+                "torch.distributed gloo broadcast": _Plan(
+                    lambda: ray.get([a.broadcast_all.remote("tw-bench") for a in everyone]), source, receivers, True),
             }  # fmt: skip
-            for method, (fn, baseline) in plans.items():
-                clear()
-                result = _timed(fn, verify_all, options)
+            for method, result in _interleaved(plans, nbytes, tensors, options).items():
+                baseline = plans[method].baseline
                 rows.append(make_row("one-to-n", method, result, baseline=baseline, nbytes=nbytes, tensors=tensors,
                                      peers=n, operation="one_to_n", transport="" if baseline else "auto",
                                      reason=f"1 -> {n} actors, into their tensors"))  # fmt: skip

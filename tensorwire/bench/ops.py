@@ -2,7 +2,9 @@
 
 Every function here is called in a peer process (the consumer) or in the benchmark's own
 process (the producer of bare transfers). Timed loops return seconds per iteration; data is a
-fixed byte pattern that ``check`` compares after the timed part of each iteration.
+byte pattern that ``check`` compares after the timed part of every iteration, and with
+``check`` every receive buffer is zeroed before every timed iteration (outside the timing), so
+an iteration that writes nothing fails instead of passing on what an earlier one left.
 
 Bare baselines do what tensorwire does per transfer, written directly on the library: the
 consumer asks (a 1-byte message), the producer sends, the consumer's time runs from asking to
@@ -24,29 +26,36 @@ __all__ = ["dispatch", "make_value", "matches", "pattern"]
 _state: dict[str, Any] = {}
 
 
-def pattern(nbytes: int, seed: int = 0) -> torch.Tensor:
-    """``nbytes`` bytes of a fixed pattern (differs between seeds and positions)."""
-    return ((torch.arange(nbytes, dtype=torch.int64) + seed) % 251).to(torch.uint8)
+def pattern(nbytes: int, seed: int = 0, device: Any = None) -> torch.Tensor:
+    """``nbytes`` bytes of a fixed pattern, ``(position + seed) % 251`` (differs between seeds
+    and positions), made by tiling one period: no temporary larger than the result."""
+    period = ((torch.arange(251, dtype=torch.int64) + seed) % 251).to(torch.uint8)
+    if device is not None:
+        period = period.to(device)
+    return period.repeat(nbytes // 251 + 1)[:nbytes]
 
 
-def make_value(nbytes: int, tensors: int) -> torch.Tensor | list[torch.Tensor]:
-    """One tensor of ``nbytes``, or a list of ``tensors`` tensors adding up to it."""
+def make_value(nbytes: int, tensors: int, seed: int = 0) -> torch.Tensor | list[torch.Tensor]:
+    """One tensor of ``nbytes``, or a list of ``tensors`` tensors adding up to it; ``seed``
+    changes every byte (rounds of a checked benchmark use different seeds)."""
     if tensors == 1:
-        return pattern(nbytes)
+        return pattern(nbytes, seed=seed)
     per = max(1, nbytes // tensors)
-    return [pattern(per, seed=i) for i in range(tensors)]
+    return [pattern(per, seed=seed + i) for i in range(tensors)]
 
 
-_expected: dict[tuple[int, int], Any] = {}
+_expected: dict[tuple[int, int, int], Any] = {}
 
 
-def matches(value: Any, nbytes: int, tensors: int) -> bool:
-    """Whether ``value`` holds exactly what :func:`make_value` makes (the expected value is
-    made once per shape and kept, so checking costs a comparison only)."""
-    if (nbytes, tensors) not in _expected:
-        _expected.clear()  # one at a time: sizes come in order
-        _expected[(nbytes, tensors)] = make_value(nbytes, tensors)
-    expected = _expected[(nbytes, tensors)]
+def matches(value: Any, nbytes: int, tensors: int, seed: int = 0) -> bool:
+    """Whether ``value`` holds exactly what :func:`make_value` makes (expected values are
+    made once per shape and seed and kept, a few at a time, so checking costs a comparison)."""
+    key = (nbytes, tensors, seed % 251)
+    if key not in _expected:
+        if len(_expected) >= 4:
+            _expected.clear()
+        _expected[key] = make_value(nbytes, tensors, seed)
+    expected = _expected[key]
     if isinstance(expected, torch.Tensor):
         return bool(torch.equal(value.cpu(), expected))
     return len(value) == len(expected) and all(torch.equal(v.cpu(), e) for v, e in zip(value, expected, strict=True))
@@ -231,20 +240,28 @@ def gloo_stop() -> None:
 
 
 def memcpy(nbytes: int, tensors: int, iterations: int, warmups: int, check: bool) -> dict:
-    """Single-thread memcpy of the value into buffers of the same shapes (numpy ``copyto``)."""
-    source = make_value(nbytes, tensors)
-    sources = source if isinstance(source, list) else [source]
-    targets = [torch.zeros_like(t) for t in sources]
-    pairs = [(t.numpy(), s.numpy()) for t, s in zip(targets, sources, strict=True)]
+    """Single-thread memcpy of the value into buffers of the same shapes (numpy ``copyto``).
+    With ``check``, consecutive iterations copy different data (two seeds, alternating) into
+    buffers zeroed before each (outside the timing)."""
+    seeds = (0, 1) if check else (0,)
+    sources = {}
+    for seed in seeds:
+        value = make_value(nbytes, tensors, seed)
+        sources[seed] = value if isinstance(value, list) else [value]
+    targets = [torch.zeros_like(t) for t in sources[0]]
     times, wrong = [], 0
     for i in range(warmups + iterations):
+        seed = seeds[i % len(seeds)]
+        pairs = [(t.numpy(), s.numpy()) for t, s in zip(targets, sources[seed], strict=True)]
+        if check:
+            _zero(targets)
         start = time.perf_counter()
         for target, src in pairs:
             np.copyto(target, src)
         if i >= warmups:
             times.append(time.perf_counter() - start)
-            value = targets if isinstance(source, list) else targets[0]
-            if check and not matches(value, nbytes, tensors):
+            value = targets if tensors > 1 else targets[0]
+            if check and not matches(value, nbytes, tensors, seed):
                 wrong += 1
     return {"times": times, "wrong": wrong if check else -1}
 

@@ -15,6 +15,19 @@ Scenarios (``--scenarios``, all by default):
   (one put, N gets) vs torch.distributed gloo broadcast.
 
 Process scenarios run first (standalone agents); the Ray scenarios then start a local Ray.
+
+What is interleaved, exactly: the Ray scenarios interleave their methods round by round
+(``bench/actors.py``). The process scenarios do not: per size, memcpy runs its whole loop in
+this process, then each tensorwire method runs its whole loop in a peer, one after the other;
+the bare gloo and ucxx baselines run after all sizes, between this process and the "other
+node" peer (the same process pair as the "other node" rows). Their rows are therefore exposed
+to load that changes between loops; compare them with that in mind, or rerun.
+
+What ``--check`` checks: every timed iteration of every method. Receive buffers are zeroed
+before each (outside the timing); the Ray scenarios and memcpy also change the data from one
+round to the next. A process-scenario fetch reads one put value for all its rounds (a new put
+per round would time exports, not fetches), so there zeroing is what makes a round that
+writes nothing fail.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ from typing import Any
 from tensorwire.bench import ops
 from tensorwire.bench.schema import Fit, Row, document, validate
 from tensorwire.bench.stats import bus_bandwidth, fit_latency_bandwidth, gbps, summarize
+from tensorwire.bench.table import format_table, plot
 
 __all__ = ["SCENARIOS", "Options", "format_table", "make_row", "run", "write_outputs"]
 
@@ -202,6 +216,8 @@ def _process_scenarios(options: Options, progress: Progress, notes: list[str]) -
     agent = runtime_agent()
     sizes, rows = options.sizes, []
     forced = _transports_to_run(options, notes)
+    if "p2p-processes" in options.scenarios:
+        progress.total += len(sizes) * len(forced)
     envs = {f"same{i}": {"OMP_NUM_THREADS": "1"} for i in range(max(1, options.peers))}
     envs["other"] = {"OMP_NUM_THREADS": "1", "TENSORWIRE_NODE_ID": f"{agent.peer.node_id}/bench"}
     with spawn(ops.dispatch, envs) as peers:
@@ -224,6 +240,7 @@ def _process_scenarios(options: Options, progress: Progress, notes: list[str]) -
                 for name, same_node, device in forced:
                     caps = registry.get_transport_class(name).capabilities
                     if name == "inline" and nbytes > agent.config.inline_max_nbytes:
+                        progress.total -= 1
                         continue
                     ref = host_ref
                     if MemoryKind.HOST not in caps.memory:
@@ -334,12 +351,19 @@ def _fits(rows: list[Row]) -> list[Fit]:
     return fits
 
 
+def _steps(options: Options) -> int:
+    """Progress steps of the selected scenarios (forced transports are added once known)."""
+    per_size = {"p2p-processes": 3, "p2p-actors": 4, "one-to-n": 3}  # memcpy + 2 autos; 4 methods; 3 methods
+    steps = sum(per_size.get(s, 0) for s in options.scenarios) * len(options.sizes)
+    steps += 2 * ("p2p-processes" in options.scenarios)  # bare gloo, bare ucxx
+    steps += len(MANY_TENSORS) * ("many-tensors" in options.scenarios) + ("concurrent" in options.scenarios)
+    return steps
+
+
 def run(options: Options, progress_enabled: bool = False) -> tuple[list[Row], list[Fit], list[str]]:
     """Every requested scenario; (rows, latency/bandwidth fits, notes on what was skipped)."""
     notes: list[str] = []
-    process_steps = len(options.sizes) * 8 + 2 + len(MANY_TENSORS) + 1
-    ray_steps = len(options.sizes) * 7
-    progress = Progress(process_steps + ray_steps, progress_enabled)
+    progress = Progress(_steps(options), progress_enabled)
     rows: list[Row] = []
     try:
         if set(options.scenarios) & {"p2p-processes", "many-tensors", "concurrent"}:
@@ -355,69 +379,6 @@ def run(options: Options, progress_enabled: bool = False) -> tuple[list[Row], li
 
 
 # ---------------------------------------------------------------------- output
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
-
-
-def format_table(rows: list[Row], fits: list[Fit]) -> str:
-    """The result table (with a units row) and the latency/bandwidth fits, as text."""
-    header = ("scenario", "method", "transport: reason", "size", "tensors", "peers", "p50", "p99", "algbw",
-              "busbw", "#wrong", "vs best alt", "vs memcpy")  # fmt: skip
-    units = ("", "", "", "bytes", "", "", "us", "us", "GB/s", "GB/s", "", "x (>1 faster)", "x of bound")
-    lines = [header, units]
-    for r in rows:
-        reason = f"{r.transport}: {r.reason}" if r.transport else r.reason
-        lines.append((r.scenario, r.method, reason[:44], _size(r.nbytes), str(r.tensors), str(r.peers),
-                      f"{r.p50_us:.1f}", f"{r.p99_us:.1f}", f"{r.gbps:.3f}", f"{r.busbw_gbps:.3f}",
-                      "-" if r.wrong < 0 else str(r.wrong),
-                      "" if r.vs_best_baseline is None else f"{r.vs_best_baseline:.2f}",
-                      "" if r.vs_memcpy is None else f"{r.vs_memcpy:.2f}"))  # fmt: skip
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(cell.rjust(w) if i >= 3 else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths,
-            strict=True))) for line in lines]  # fmt: skip
-    if fits:
-        text += ["", "fixed cost per transfer and asymptotic bandwidth (least-squares fit over sizes):"]
-        text += [f"  {f.scenario:14} {f.method:40} latency {f.latency_us:10.1f} us   "
-                 f"bandwidth {f.bandwidth_gbps:8.2f} GB/s" for f in fits]  # fmt: skip
-    return "\n".join(text)
-
-
-def plot(rows: list[Row], path: str) -> None:
-    """GB/s against size per method, one panel per scenario with several sizes (PNG)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'tensorwire[plot]'") from None
-    scenarios = [
-        s for s in dict.fromkeys(r.scenario for r in rows) if len({r.nbytes for r in rows if r.scenario == s}) > 1
-    ]
-    if not scenarios:
-        raise RuntimeError("--plot needs a scenario measured at two or more sizes")
-    figure, axes = plt.subplots(len(scenarios), 1, figsize=(9, 4.5 * len(scenarios)), squeeze=False)
-    for axis, scenario in zip(axes[:, 0], scenarios, strict=True):
-        methods = dict.fromkeys(r.method for r in rows if r.scenario == scenario)
-        for method in methods:
-            points = sorted((r.nbytes, r.gbps) for r in rows if r.scenario == scenario and r.method == method)
-            style = "--" if any(r.baseline for r in rows if r.method == method) else "-"
-            axis.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=method)
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.set_xlabel("bytes per transfer")
-        axis.set_ylabel("GB/s (algorithm bandwidth, median)")
-        axis.set_title(scenario)
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
 
 
 def write_outputs(rows: list[Row], fits: list[Fit], argv: list[str], json_path: str, plot_path: str) -> None:

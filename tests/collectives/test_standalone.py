@@ -35,7 +35,8 @@ def test_weight_sync_hooks_between_processes(workers, device):
 
     tensors = 40
     layout = _layout([f"w{i}" for i in range(tensors)], [torch.zeros(1 << 16)] * tensors)
-    buckets = bucket_plan([entry[3] for entry in layout], 1 << 20)  # 4 tensors per bucket
+    buckets = bucket_plan([entry[3] for entry in layout], 1 << 20)
+    assert buckets == [list(range(i, i + 4)) for i in range(0, tensors, 4)]  # 256 KiB tensors, 1 MiB buckets
     spec = {
         "name": "weights", "sync_id": "standalone", "version": 1, "channel": "tw-sync-standalone-1",
         "members": [w.call("tests.collectives.standalone:describe") for w in workers],
@@ -50,6 +51,6 @@ def test_weight_sync_hooks_between_processes(workers, device):
     assert sent["failed"] == {}
     for result in received:
         assert result["digest"] == sent["digest"] and result["in_place"] and result["version"] == 1
-        expected = {"shm": len(buckets)} if device == "cpu" else {"cuda_ipc": len(buckets)}
+        expected = {"shm": 10} if device == "cpu" else {"cuda_ipc": 10}  # one fetch per bucket
         assert result["transports"] == expected
     workers[0].call("tests.collectives.standalone:release", "standalone")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tests.helpers.procs import Worker, outcome_when_killed
+from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
 pytestmark = pytest.mark.gpu
@@ -90,20 +90,23 @@ def test_ucx_moves_cuda_memory(producer):
 
 
 def test_producer_killed_after_export_never_yields_garbage(producer):
+    """Killed once its export provably reached this consumer (a fetch through the handle
+    succeeded): what arrived stays intact, and every later fetch is a clear error, not garbage.
+    (A kill in the middle of one cuda_ipc copy cannot be aimed at: it lasts microseconds.)"""
     ref = producer.call("tests.helpers.gpu_tasks:put_cuda_filled", 256 << 20, fill=3)
-
-    def fetch() -> tuple[str, int, int]:
-        value = tw.get(ref, transport="cuda_ipc", timeout_s=30)
-        torch.cuda.synchronize()
-        return ("ok", int(value.min()), int(value.max()))
-
-    outcome = outcome_when_killed(fetch, producer, after_s=0.01, join_s=40)
-    assert outcome == ("ok", 3, 3) or isinstance(outcome, tw.TensorwireError), outcome
+    first = tw.get(ref, transport="cuda_ipc", timeout_s=30)  # the handle is exported and opened here
+    torch.cuda.synchronize()
+    assert tw.stats()["recent"][-1].transport == "cuda_ipc"
+    assert (int(first.min()), int(first.max())) == (3, 3)
+    producer.kill()
     with pytest.raises((tw.OwnerDiedError, tw.TransportError)):
         tw.get(ref, transport="cuda_ipc", timeout_s=10)
+    assert (int(first.min()), int(first.max())) == (3, 3)  # the private copy outlives the producer
 
 
 def test_ray_actors_with_fractional_gpus_share_one_gpu():
+    """Needs Ray, which the GPU check machine lacks (see docs/performance.md, "What the GPU
+    check cannot run"): it then skips saying so."""
     ray = pytest.importorskip("ray", reason="ray is not installed on this machine")
     from tests.integration.conftest import ray_session
 
@@ -112,17 +115,25 @@ def test_ray_actors_with_fractional_gpus_share_one_gpu():
         def make(self) -> dict:
             import torch as t
 
-            return {"w": t.arange(1 << 20, dtype=t.float32, device="cuda")}
+            return {"w": t.arange(1 << 20, dtype=t.int64, device="cuda")}
 
-        def total(self, state: dict) -> float:
-            return float(state["w"].sum().item())
+        def where(self) -> tuple[int, str]:
+            import os
+
+            import torch as t
+
+            return os.getpid(), str(t.cuda.get_device_properties(0).uuid)
+
+        def total(self, state: dict) -> int:
+            return int(state["w"].sum().item())  # integers: exact whatever the summation order
 
     with ray_session():
         tw.init(num_gpus=1, include_dashboard=False)
         try:
             a, b = Holder.remote(), Holder.remote()
-            total = ray.get(b.total.remote(a.make.remote()))
-            assert total == float(sum(range(1 << 20)))
+            (pid_a, gpu_a), (pid_b, gpu_b) = ray.get([a.where.remote(), b.where.remote()])
+            assert pid_a != pid_b and gpu_a == gpu_b  # two processes on one GPU
+            assert ray.get(b.total.remote(a.make.remote())) == (1 << 20) * ((1 << 20) - 1) // 2
         finally:
             ray.shutdown()
 
@@ -154,7 +165,9 @@ def test_cuda_ipc_mappings_hold_the_object_until_released(producer):
     assert int(copy[0]) == 4 and int(view[-1]) == 4
     del ref, copy
     gc.collect()
-    time.sleep(2)  # a release would have reached the producer by now
+    from tensorwire.transport.agent import get_agent
+
+    assert get_agent().flush()  # a (wrong) release of the copy's hold has reached the producer now
     owned, _ = producer.call("tests.helpers.gpu_tasks:owned_and_allocated")
     assert owned == base_owned + 1  # the view still holds the object
     del view

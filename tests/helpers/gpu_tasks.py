@@ -37,6 +37,15 @@ def put_cuda_filled(nbytes: int, fill: int = 7) -> tw.Ref:
     return tw.put(value)
 
 
+def put_cuda_pattern(nbytes: int) -> tw.Ref:
+    """The benchmarks' byte pattern (``tensorwire.bench.ops.pattern``) on cuda:0."""
+    from tensorwire.bench.ops import pattern
+
+    value = pattern(nbytes, device="cuda")
+    _kept.setdefault("patterns", []).append(value)
+    return tw.put(value)
+
+
 def put_after_slow_kernel(nbytes: int, fill: int) -> tw.Ref:
     """Queue a slow kernel then a fill on a side stream, and put without synchronising."""
     value = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")

@@ -36,13 +36,18 @@ def _serve(conn: Any, env: dict[str, str]) -> None:
             return
         target, payload = message
         try:
-            module_name, fn_name = target.split(":")
-            fn = getattr(importlib.import_module(module_name), fn_name)
-            args, kwargs = pickle.loads(payload)
-            result = fn(*args, **kwargs)
-            conn.send(("ok", pickle.dumps(result)))
+            conn.send(("ok", _run(target, payload)))
         except BaseException as e:
             conn.send(("error", (type(e).__name__, traceback.format_exc())))
+            del e  # nothing of a call (its references above all) outlives it in this loop
+
+
+def _run(target: str, payload: bytes) -> bytes:
+    """One call, pickled result; its arguments and result die when it returns."""
+    module_name, fn_name = target.split(":")
+    fn = getattr(importlib.import_module(module_name), fn_name)
+    args, kwargs = pickle.loads(payload)
+    return pickle.dumps(fn(*args, **kwargs))
 
 
 class Worker:
@@ -70,6 +75,10 @@ class Worker:
         if status == "error":
             raise ChildError(*payload)
         return pickle.loads(payload)
+
+    def ready(self) -> bool:
+        """Whether a result (or the process's end) is waiting to be collected."""
+        return self._conn.poll(0)
 
     def call(self, target: str, *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> Any:
         self.send(target, *args, **kwargs)
@@ -106,26 +115,3 @@ class Worker:
                 self.process.kill()
                 self.process.join(10)
         self._conn.close()
-
-
-def outcome_when_killed(fetch: Any, victim: Worker, *, after_s: float, join_s: float) -> object:
-    """Run ``fetch()`` in a thread, kill ``victim`` after ``after_s``, and return what the
-    fetch returned or raised; fail the test if it is still running after ``join_s``."""
-    import threading
-    import time
-
-    outcome: list[object] = []
-
-    def run() -> None:
-        try:
-            outcome.append(fetch())
-        except Exception as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    time.sleep(after_s)
-    victim.kill()
-    thread.join(join_s)
-    assert not thread.is_alive(), f"the fetch hung after process {victim.pid} died"
-    return outcome[0]

@@ -219,3 +219,22 @@ def put_and_describe_owner(nbytes: int) -> dict[str, str]:
 def put_value(value: Any) -> tw.Ref:
     """Put ``value`` in this worker and keep it alive as long as its reference."""
     return tw.put(value)
+
+
+def get_into_file(path: str, ref: tw.Ref, **kwargs: Any) -> str:
+    """Receive ``ref`` (one uint8 tensor) into the shared file ``path`` (see
+    ``tests.helpers.inflight.SharedBuffer``); the digest of what arrived, or the error's class."""
+    out = torch.from_file(path, shared=True, size=ref.nbytes, dtype=torch.uint8)
+    try:
+        tw.get(ref, out=out, **kwargs)
+    except Exception as e:
+        return type(e).__name__
+    return digest(out)
+
+
+def transfers_serving() -> int:
+    return tw.stats()["transfers_serving"]
+
+
+def agent_id() -> str:
+    return tw.stats()["agent_id"]

@@ -200,7 +200,7 @@ def test_500_cycles_return_producer_memory_to_baseline(producer, consumer):
     def cycles(n: int) -> None:
         for i in range(n):
             ref = producer.tensor.remote(256 * 1024, fill=i % 200)
-            assert ray.get(consumer.digest.remote(ref))
+            assert ray.get(consumer.digest.remote(ref)) == digest(torch.full((256 * 1024,), i % 200, dtype=torch.uint8))
             del ref
 
     cycles(30)

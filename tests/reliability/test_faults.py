@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import replace
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.runtime.ref import Ref, RefState
+from tests.helpers.inflight import SharedBuffer, freeze_then_kill, wait_in_flight
 from tests.helpers.observe import segment_count, wait_until
 from tests.helpers.procs import Worker
 from tests.helpers.proxy import DroppingProxy
@@ -48,18 +48,21 @@ def test_inline_values_stay_readable_after_their_owner_died():
 
 
 def test_other_transfers_continue_when_one_producer_dies():
+    """One producer is frozen, then killed, while its bytes provably arrive at the consumer;
+    the consumer gets an error for that one and still fetches from the other producer."""
     doomed, survivor, consumer = Worker(), Worker(), Worker()
     try:
-        dead_ref = doomed.call("tests.helpers.tasks:put_filled", 256 << 20)
+        nbytes = 256 << 20
+        warm, warm_digest = doomed.call("tests.helpers.tasks:put_and_return", 1 << 20)
+        assert consumer.call("tests.helpers.tasks:get_digest", warm, transport="host") == warm_digest
+        dead_ref = doomed.call("tests.helpers.tasks:put_filled", nbytes, 7)
         live_ref, expected = survivor.call("tests.helpers.tasks:put_and_return", 64 << 20, seed=4)
-        consumer.send("tests.helpers.tasks:get_digest_or_error", dead_ref, transport="host")
-        time.sleep(0.2)
-        doomed.kill()
-        assert consumer.result(timeout_s=60) in (
-            "OwnerDiedError",
-            "PeerLostError",
-            digest(torch.full((256 << 20,), 7, dtype=torch.uint8)),
-        )
+        with SharedBuffer(nbytes) as out:
+            consumer.send("tests.helpers.tasks:get_into_file", out.path, dead_ref, transport="host")
+            wait_in_flight(out.tensor, 7, finished=consumer.ready)
+            assert doomed.call("tests.helpers.tasks:transfers_serving") >= 1
+            freeze_then_kill(doomed.pid, doomed.kill)
+            assert consumer.result(timeout_s=60) in ("OwnerDiedError", "PeerLostError")
         for transport in ("shm", "host"):
             assert consumer.call("tests.helpers.tasks:get_digest", live_ref, transport=transport) == expected
     finally:

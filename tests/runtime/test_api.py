@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tensorwire as tw
+from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
 
@@ -71,13 +72,17 @@ def test_bad_arguments():
         tw.get(tw.put(torch.ones(1)), transport="hots")
 
 
-def test_forced_by_environment(worker, monkeypatch, agent):
-    from dataclasses import replace
-
-    agent.set_config(replace(agent.config, transport="local"))
-    ref = tw.put(torch.ones(1000))
-    assert tw.get(ref).sum() == 1000
-    assert worker.call("tests.helpers.tasks:get_transport", ref, transport="host")[1] == "host"
+def test_forced_by_environment(worker):
+    """``TENSORWIRE_TRANSPORT`` in a consumer's environment forces its every fetch; the same
+    fetch without it chooses shm on this node."""
+    value = torch.arange(1 << 18, dtype=torch.int32)
+    ref = tw.put(value)
+    assert worker.call("tests.helpers.tasks:get_transport", ref) == (digest(value), "shm")
+    forced = Worker(env={"TENSORWIRE_TRANSPORT": "host"})
+    try:
+        assert forced.call("tests.helpers.tasks:get_transport", ref) == (digest(value), "host")
+    finally:
+        forced.close()
 
 
 def test_many_refs_fetched_together(worker):
@@ -104,8 +109,12 @@ def test_shm_view_is_zero_copy_and_private(worker):
 
 
 def test_device_argument_places_on_cpu(worker):
-    ref = tw.put(torch.ones(3))
-    assert str(tw.get(ref, device="cpu").device) == "cpu"
+    """``device="cpu"`` for a value of another process: its bytes, in fresh CPU memory."""
+    ref, expected = worker.call("tests.helpers.tasks:put_and_return", 300_000, seed=8)
+    got = tw.get(ref, device="cpu")
+    assert digest(got) == expected and got.device == torch.device("cpu")
+    again = tw.get(ref, device=torch.device("cpu"))
+    assert digest(again) == expected and again.data_ptr() != got.data_ptr()
 
 
 def test_dlpack_producer_arrives_as_a_torch_tensor_in_another_process(worker):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import time
 
 import pytest
 import torch
@@ -36,7 +35,8 @@ def test_remote_holder_keeps_object_until_it_drops(agent, worker):
     assert worker.call("tests.helpers.tasks:hold", ref, "r") == value.nbytes
     del ref
     gc.collect()
-    time.sleep(0.3)  # give a wrong release every chance to arrive
+    assert agent.flush()  # a wrong release of ours would have been applied by now
+    worker.call("tests.helpers.tasks:flush")  # and one of the worker's
     assert owned(agent) == before + 1
     worker.call("tests.helpers.tasks:drop", "r")
     assert wait_until(lambda: owned(agent) == before)
@@ -66,8 +66,7 @@ def test_ref_passed_on_by_a_holder_survives_the_holder_dropping(agent):
         del ref
         gc.collect()
         blob_from_b = b.call("tests.helpers.tasks:pickled", "x")
-        b.call("tests.helpers.tasks:drop", "x")
-        time.sleep(0.3)
+        b.call("tests.helpers.tasks:drop", "x")  # drop flushes: B's release reached the owner
         assert c.call("tests.helpers.tasks:get_digest", pickle.loads(blob_from_b)) == digest(value)
     finally:
         b.close()

@@ -37,20 +37,54 @@ def test_cluster_token_gates_every_call(agent):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.mark.parametrize("payload", [b"\xff\xff\xff\xff", b"\x0a\xff", os.urandom(512)])
-def test_malformed_requests_get_an_error_and_the_agent_lives(agent, payload):
-    for method in ("Holders", "Status", "Free", "Export"):
-        try:
-            _raw_call(agent.peer.unix_address, method, payload, cluster_token())
-        except grpc.RpcError as e:
-            assert e.code() in (
-                grpc.StatusCode.INTERNAL,
-                grpc.StatusCode.NOT_FOUND,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                grpc.StatusCode.PERMISSION_DENIED,
-                grpc.StatusCode.UNKNOWN,
-            )
+METHODS = ("Holders", "Status", "Free", "Export", "Ping", "Connect", "Rendezvous", "Transfer")
+
+
+def _code_and_details(agent, method: str, payload: bytes) -> tuple[grpc.StatusCode, str]:
+    """The status a call ends with (a ``Transfer`` stream is read to its end)."""
+    channel = grpc.insecure_channel(agent.peer.unix_address)
+    try:
+        kind = channel.unary_stream if method == "Transfer" else channel.unary_unary
+        stub = kind(f"/{_SERVICE}/{method}", request_serializer=None, response_deserializer=None)
+        answer = stub(payload, timeout=5, metadata=((_TOKEN_METADATA, cluster_token().decode()),))
+        if method == "Transfer":
+            list(answer)
+        return grpc.StatusCode.OK, ""
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("payload", [b"\xff\xff\xff\xff", b"\x0a\xff", b"\x0a\x10short"])
+def test_unparsable_requests_are_rejected_before_any_handler_and_the_agent_lives(agent, payload):
+    for method in METHODS:
+        assert _code_and_details(agent, method, payload) == (
+            grpc.StatusCode.INTERNAL,
+            "Exception deserializing request!",
+        ), method
     assert _ping(agent, cluster_token()).peer.agent_id == agent.peer.agent_id
+
+
+def test_well_formed_but_invalid_requests_get_their_named_status(agent):
+    import torch
+
+    import tensorwire as tw
+
+    ref = tw.put(torch.arange(100_000))
+    unknown = messages["TransferRequest"](object_id=b"\x01" * 16, token=b"\x02" * 16, transport="host")
+    wrong_token = messages["TransferRequest"](object_id=ref._desc.object_id, token=b"\x02" * 16, transport="host")
+    cases = {
+        ("Export", unknown.SerializeToString()): grpc.StatusCode.NOT_FOUND,
+        ("Transfer", unknown.SerializeToString()): grpc.StatusCode.NOT_FOUND,
+        ("Export", wrong_token.SerializeToString()): grpc.StatusCode.PERMISSION_DENIED,
+        ("Transfer", wrong_token.SerializeToString()): grpc.StatusCode.PERMISSION_DENIED,
+        ("Connect", messages["ConnectRequest"]().SerializeToString()): grpc.StatusCode.INVALID_ARGUMENT,
+        ("Rendezvous", messages["RendezvousRequest"]().SerializeToString()): grpc.StatusCode.INVALID_ARGUMENT,
+    }
+    got = {case: _code_and_details(agent, *case)[0] for case in cases}
+    assert got == cases
+    assert tw.get(ref).sum() == sum(range(100_000))  # the object and the agent are fine
 
 
 def test_holder_ops_with_wrong_tokens_are_rejected(agent):

@@ -13,7 +13,8 @@ import torch
 
 import tensorwire as tw
 from tensorwire.runtime.ref import Ref, RefState
-from tests.helpers.procs import Worker, outcome_when_killed
+from tests.helpers.inflight import Background, SharedBuffer, freeze_then_kill, wait_in_flight
+from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
 
@@ -46,27 +47,36 @@ def test_owner_on_another_node_killed_before_transfer():
 
 
 def test_owner_killed_during_transfer(owner):
-    ref = owner.call("tests.helpers.tasks:put_filled", 768 << 20)
-
-    def fetch() -> str:
-        tw.get(ref, transport="host", timeout_s=60)
-        return "completed"
-
-    outcome = outcome_when_killed(fetch, owner, after_s=0.3, join_s=30)
+    """Frozen, then killed, while its bytes provably arrive: an error, never a hang."""
+    warm, expected = owner.call("tests.helpers.tasks:put_and_return", 1 << 20)
+    assert digest(tw.get(warm, transport="host")) == expected
+    nbytes = 768 << 20
+    ref = owner.call("tests.helpers.tasks:put_filled", nbytes, 7)
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    fetch = Background(lambda: tw.get(ref, out=out, transport="host", timeout_s=60))
+    wait_in_flight(out, 7, finished=lambda: fetch.done)
+    assert owner.call("tests.helpers.tasks:transfers_serving") >= 1
+    freeze_then_kill(owner.pid, owner.kill)
+    outcome = fetch.outcome(30)
     assert isinstance(outcome, (tw.OwnerDiedError, tw.PeerLostError)), outcome
 
 
 def test_ref_freed_mid_transfer_is_complete_or_freed_never_partial(agent, worker):
-    import torch
-
-    value = torch.full((512 << 20,), 5, dtype=torch.uint8)
+    """Freed while its bytes provably stream out: the consumer gets all of them or
+    ``ObjectFreedError``, never a part."""
+    nbytes = 512 << 20
+    value = torch.full((nbytes,), 5, dtype=torch.uint8)
     expected = digest(value)
     ref = tw.put(value)
     del value
-    worker.send("tests.helpers.tasks:get_digest_or_error", ref, transport="host")
-    time.sleep(0.5)
-    tw.free(ref)
-    assert worker.result(timeout_s=60) in (expected, "ObjectFreedError")
+    warm = torch.arange(1000, dtype=torch.int64)
+    assert worker.call("tests.helpers.tasks:get_digest", tw.put(warm), transport="host") == digest(warm)
+    with SharedBuffer(nbytes) as out:
+        worker.send("tests.helpers.tasks:get_into_file", out.path, ref, transport="host")
+        wait_in_flight(out.tensor, 5, finished=worker.ready)
+        assert agent.stats()["transfers_serving"] >= 1
+        tw.free(ref)
+        assert worker.result(timeout_s=60) in (expected, "ObjectFreedError")
     with pytest.raises(tw.ObjectFreedError):
         tw.get(ref)
 
