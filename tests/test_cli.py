@@ -163,7 +163,7 @@ def ray_cluster():
     from tests.integration.conftest import ray_session
 
     with ray_session():
-        tw.init(num_cpus=1, include_dashboard=False)
+        tw.init(address="local", num_cpus=1, include_dashboard=False)
         try:
             yield ray.get_runtime_context().gcs_address
         finally:

@@ -128,7 +128,7 @@ def test_ray_actors_with_fractional_gpus_share_one_gpu():
             return int(state["w"].sum().item())  # integers: exact whatever the summation order
 
     with ray_session():
-        tw.init(num_gpus=1, include_dashboard=False)
+        tw.init(address="local", num_gpus=1, include_dashboard=False)
         try:
             a, b = Holder.remote(), Holder.remote()
             (pid_a, gpu_a), (pid_b, gpu_b) = ray.get([a.where.remote(), b.where.remote()])

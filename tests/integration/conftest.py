@@ -44,7 +44,7 @@ def ray_local():
     import tensorwire as tw
 
     with ray_session():
-        tw.init(num_cpus=4, include_dashboard=False)
+        tw.init(address="local", num_cpus=4, include_dashboard=False)
         try:
             yield ray
         finally:

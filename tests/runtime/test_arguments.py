@@ -26,7 +26,7 @@ def test_get_and_wait_reject_what_they_cannot_take():
 
 
 def test_method_remote_and_passthrough_reject_bad_targets():
-    with pytest.raises(TypeError, match="transport must be a transport name, got int"):
+    with pytest.raises(TypeError, match="a transport name is a string, got int"):
         tw.method(transport=3)
     with pytest.raises(TypeError, match=r"@tw\.method decorates methods, got int"):
         tw.method(5)
