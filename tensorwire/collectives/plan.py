@@ -367,6 +367,9 @@ class Plan:
                 pairs[(t.trainer, r)] = pairs.get((t.trainer, r), 0) + t.nbytes
         return pairs
 
+    def receiver_nbytes_of(self, receiver: int) -> int:
+        return sum(t.nbytes for t in self.receivers[receiver])
+
     def receiver_nbytes(self) -> dict[int, int]:
         return {r: sum(t.nbytes for t in transfers) for r, transfers in self.receivers.items()}
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tensorwire.collectives import weight_sync
+from tensorwire.collectives import sync_hooks
 from tensorwire.collectives.channel import describe_self, member_from
 from tensorwire.collectives.group import TensorwireGroup
 from tests.helpers.tasks import digest
@@ -48,22 +48,22 @@ def holder(tensors: int, device: str, seed: int | None) -> SimpleNamespace:
     return _kept["holder"]
 
 
-def sync_send(spec: dict, device: str) -> dict:
-    actor = holder(spec["tensors"], device, seed=3)
-    result = weight_sync.send(actor, spec)
+def sync_send(spec: sync_hooks.PushSpec, tensors: int, device: str) -> dict:
+    actor = holder(tensors, device, seed=3)
+    result = sync_hooks.send(actor, spec)
     result["digest"] = digest(actor.weights)
     return result
 
 
-def sync_receive(spec: dict, rank: int, device: str) -> dict:
-    actor = holder(spec["tensors"], device, seed=None)
+def sync_receive(spec: sync_hooks.PushSpec, tensors: int, device: str) -> dict:
+    actor = holder(tensors, device, seed=None)
     before = [t.data_ptr() for t in actor.weights.values()]
-    result = weight_sync.receive(actor, spec, rank)
+    result = sync_hooks.receive(actor, spec)
     result["digest"] = digest(actor.weights)
     result["in_place"] = before == [t.data_ptr() for t in actor.weights.values()]
-    weight_sync.release(actor, spec["sync_id"])
+    sync_hooks.release(actor, spec.sync_id)
     return result
 
 
 def release(sync_id: str) -> None:
-    weight_sync.release(None, sync_id)
+    sync_hooks.release(None, sync_id)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tensorwire.collectives.weight_sync import _layout, bucket_plan
-from tensorwire.transport.packing import packed_layout
+from tensorwire.collectives.layout import Box, HeldParam
+from tensorwire.collectives.plan import plan_sync
+from tensorwire.collectives.sync_hooks import PushSpec, assign_roles
 from tests.helpers.procs import Worker
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -31,25 +32,26 @@ def test_tensorwire_broadcast_between_processes(workers, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_weight_sync_hooks_between_processes(workers, device):
-    import torch
-
     tensors = 40
-    layout = _layout([f"w{i}" for i in range(tensors)], [torch.zeros(1 << 16)] * tensors)
-    buckets = bucket_plan([entry[3] for entry in layout], 1 << 20)  # 4 tensors per bucket
-    spec = {
-        "name": "weights", "sync_id": "standalone", "version": 1, "channel": "tw-sync-standalone-1",
-        "members": [w.call("tests.collectives.standalone:describe") for w in workers],
-        "parents": {1: 0, 2: 0}, "buckets": buckets, "layout": layout, "source": "weights", "target": "weights",
-        "verify": True, "transport": "", "timeout_s": 60.0, "driver": b"", "tensors": tensors,
-        "slot_nbytes": max(packed_layout(layout[i][3] for i in b)[1] for b in buckets),
-    }  # fmt: skip
-    workers[0].send("tests.collectives.standalone:sync_send", spec, device)
-    workers[1].send("tests.collectives.standalone:sync_receive", spec, 1, device)
-    workers[2].send("tests.collectives.standalone:sync_receive", spec, 2, device)
+    layout = tuple(HeldParam(f"w{i}", (1 << 16,), "float32", Box.full((1 << 16,))) for i in range(tensors))
+    plan = plan_sync([layout], [layout, layout])
+    descriptions = [w.call("tests.collectives.standalone:describe") for w in workers]
+    roles, buckets = assign_roles(plan, [0, 1], trainer_layouts=[layout], receiver_layouts=[layout, layout],
+                                  descriptions=descriptions, bucket_bytes=1 << 20)  # fmt: skip
+    assert buckets == 10  # 4 tensors of 256 KiB per bucket
+
+    def spec(rank: int) -> PushSpec:
+        return PushSpec(sync_id="standalone", name="weights", version=1, channel="tw-sync-standalone-1",
+                        members=tuple(descriptions), rank=rank, where="weights", layout=layout, roles=roles[rank],
+                        verify=True, transport="", timeout_s=60.0)  # fmt: skip
+
+    workers[0].send("tests.collectives.standalone:sync_send", spec(0), tensors, device)
+    workers[1].send("tests.collectives.standalone:sync_receive", spec(1), tensors, device)
+    workers[2].send("tests.collectives.standalone:sync_receive", spec(2), tensors, device)
     sent, *received = [w.result(timeout_s=120) for w in workers]
-    assert sent["failed"] == {}
+    assert sent["failed"] == {} and sent["sent_nbytes"] == plan.nbytes
     for result in received:
         assert result["digest"] == sent["digest"] and result["in_place"] and result["version"] == 1
-        expected = {"shm": len(buckets)} if device == "cpu" else {"cuda_ipc": len(buckets)}
-        assert result["transports"] == expected
+        expected = {"shm": 10} if device == "cpu" else {"cuda_ipc": 10}
+        assert result["transports"] == expected and result["nbytes"] == tensors << 18
     workers[0].call("tests.collectives.standalone:release", "standalone")
