@@ -417,8 +417,8 @@ class Plan:
         if receiver_bytes:
             lines.append(f"  per receiver: min {_size(min(receiver_bytes.values()))}, "
                          f"max {_size(max(receiver_bytes.values()))}")  # fmt: skip
-        lines.append(f"  at {rank_gbps:g} GB/s per rank: modelled push {self.modelled_push_s(rank_gbps) * 1e3:.1f} ms, "
-                     f"bound {self.bound_s(rank_gbps) * 1e3:.1f} ms")  # fmt: skip
+        lines.append(f"  at {rank_gbps:g} GB/s per rank: modelled push {_duration(self.modelled_push_s(rank_gbps))}, "
+                     f"bound {_duration(self.bound_s(rank_gbps))}")  # fmt: skip
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -449,6 +449,10 @@ def _least(groups: Sequence[_Holders], loads: list[int]) -> tuple[_Holders, int]
 
 def _floating(*dtypes: str) -> bool:
     return all(d.startswith(("float", "bfloat")) for d in dtypes)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
 def _size(nbytes: float) -> str:
