@@ -209,6 +209,11 @@ class WeightSync:
         return tuple(self._receivers.values())
 
     @property
+    def receiver_layouts(self) -> dict[int, tuple[HeldParam, ...]]:
+        """Receiver id -> the pieces it described (what its plan was made from)."""
+        return dict(self._layouts)
+
+    @property
     def nbytes(self) -> int:
         """The largest receiver's bytes per push."""
         return max(self.plan.receiver_nbytes().values(), default=0)
