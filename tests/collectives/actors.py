@@ -113,6 +113,28 @@ class Holder:
         return tw.collective.weight_version(name)
 
 
+class CountingFence:
+    """A receiver-supplied fence (any context manager) that counts how often it was taken."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.entries = 0
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        self.entries += 1
+
+    def __exit__(self, *_exc: object) -> None:
+        self.lock.release()
+
+
+def doubled(_name: str, piece: torch.Tensor) -> torch.Tensor:
+    """A trainer transform: every value times two."""
+    return piece * 2
+
+
 def full_tensor(name: str, shape: tuple[int, ...], version: int = 1) -> torch.Tensor:
     """The whole parameter ``name`` at ``version`` (what every test computes its expectations from)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{name}/{version}".encode()))
@@ -142,6 +164,10 @@ class Pieces:
             self.pieces[name] = tw.collective.Sharded.of(tensor, placements, mesh, coord, shape)
         self.readings = {"reads": 0, "mixed": [], "versions": set()}
         self._stop = None
+        self.publish_fence = CountingFence()
+
+    def fence_entries(self) -> int:
+        return self.publish_fence.entries
 
     def state_dict(self) -> dict:
         return self.pieces

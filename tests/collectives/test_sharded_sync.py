@@ -18,7 +18,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.collectives.layout import Replicate, Shard, dtype_itemsize, placement_box
-from tests.collectives.actors import DTensorTrainer, Pieces, full_tensor, marked_slowly
+from tests.collectives.actors import DTensorTrainer, Pieces, doubled, full_tensor, marked_slowly
 from tests.collectives.test_weight_sync import shm_bytes
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -243,4 +243,17 @@ def test_trainer_killed_mid_push_fails_it_by_name_and_atomic_receivers_keep_the_
     for r in receivers:
         got = ray.get(r.tensors.remote())
         assert all(torch.equal(got[n], want[n]) for n in want)  # still whole version 1
+    sync.close()
+
+
+def test_a_transform_on_the_trainer_and_a_fence_of_the_receiver(ray_local):
+    entries = {"w": ((64, 32), (S0,), (1,), (0,), "float32", None), "b": ((32,), (R,), (1,), (0,), "bfloat16", None)}
+    trainer = Pieces.remote({"w": entries["w"], "b": ((32,), (R,), (1,), (0,), "float32", None)}, version=1)
+    receiver = Pieces.remote(entries)
+    sync = tw.WeightSync(trainer, [receiver], transform=doubled, atomic=True, fence="publish_fence")
+    assert sync.push().ok and sync.push().ok
+    got = ray.get(receiver.tensors.remote())
+    assert torch.equal(got["w"], full_tensor("w", (64, 32)) * 2)
+    assert torch.equal(got["b"], (full_tensor("b", (32,)) * 2).to(torch.bfloat16))  # doubled, then converted
+    assert ray.get(receiver.fence_entries.remote()) == 2  # one publication per push, inside the receiver's fence
     sync.close()
