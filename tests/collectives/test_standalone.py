@@ -55,3 +55,35 @@ def test_weight_sync_hooks_between_processes(workers, device):
         expected = {"shm": 10} if device == "cpu" else {"cuda_ipc": 10}
         assert result["transports"] == expected and result["nbytes"] == tensors << 18
     workers[0].call("tests.collectives.standalone:release", "standalone")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sharded_weight_sync_hooks_between_processes(workers, device):
+    """Two trainer processes (rows of w, all of b) into one receiver (columns of w, as bf16)."""
+    from tensorwire.collectives.layout import Shard, placement_box
+
+    trainers = [(HeldParam("w", (64, 32), "float32", placement_box((64, 32), [Shard(0)], (2,), (r,)),
+                           (Shard(0),), (2,), (r,)),
+                 HeldParam("b", (32,), "float32", Box.full((32,)))) for r in range(2)]  # fmt: skip
+    receiver = (HeldParam("w", (64, 32), "bfloat16", Box((0, 16), (64, 16)), (Shard(1),), (2,), (1,)),
+                HeldParam("b", (32,), "float32", Box.full((32,))))  # fmt: skip
+    plan = plan_sync(trainers, [receiver])
+    descriptions = [w.call("tests.collectives.standalone:describe") for w in workers]
+    roles, _buckets = assign_roles(plan, [0], trainer_layouts=trainers, receiver_layouts=[receiver],
+                                   descriptions=descriptions, bucket_bytes=1024)  # fmt: skip
+
+    def spec(rank: int, layout: tuple) -> PushSpec:
+        return PushSpec(sync_id="sharded", name="weights", version=1, channel="tw-sync-sharded-1",
+                        members=tuple(descriptions), rank=rank, where="weights", layout=layout, roles=roles[rank],
+                        verify=True, transport="", timeout_s=60.0)  # fmt: skip
+
+    for rank in range(2):
+        workers[rank].send("tests.collectives.standalone:sharded_send", spec(rank, trainers[rank]), rank, device)
+    workers[2].send("tests.collectives.standalone:sharded_receive", spec(2, receiver), device)
+    sent = [w.result(timeout_s=120) for w in workers[:2]]
+    received = workers[2].result(timeout_s=120)
+    assert all(s["failed"] == {} for s in sent)
+    assert received["exact"] and received["version"] == 1
+    assert received["nbytes"] == plan.nbytes == 64 * 16 * 2 + 32 * 4  # bf16 on the wire: converted by the trainers
+    for rank in range(2):
+        workers[rank].call("tests.collectives.standalone:release", "sharded")
