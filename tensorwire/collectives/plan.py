@@ -159,6 +159,8 @@ class Plan:
         self._groups: dict[str, dict[Box, _Holders]] = {}  # per parameter: the trainers holding each distinct box
         for t, layout in enumerate(trainers):
             for held in layout:
+                if held.placements is not None:
+                    _check_piece(f"trainer {t}'s {held.name!r}", held)
                 first = self._first.get(held.name)
                 if first is None:
                     self._first[held.name] = (t, held)
@@ -220,6 +222,9 @@ class Plan:
             self.loads[t.trainer] -= t.nbytes
 
     def _plan_param(self, receiver: int, held: HeldParam, names: set[str]) -> list[Transfer]:
+        fast = self._whole_piece(held)
+        if fast is not None:
+            return fast
         who = _Who(receiver, held.name)
         fused = self.mapping.fuse.get(held.name)
         parts = fused.parts if fused else (self._sources.get(held.name),)
@@ -258,6 +263,26 @@ class Plan:
                 result.append(Transfer(trainer, part, src, held.name, dst, wire, cell.numel * itemsize))
         return result
 
+    def _whole_piece(self, held: HeldParam) -> list[Transfer] | None:
+        """The common case without the general machinery: a plain parameter of the trainers'
+        dtype whose piece is exactly some trainers' piece (None: take the general path)."""
+        if held.placements is not None or held.name in self.mapping.fuse:
+            return None
+        source = self._sources.get(held.name)
+        first = self._first.get(source) if source is not None else None
+        if first is None or first[1].dtype != held.dtype or first[1].global_shape != held.global_shape:
+            return None
+        group = self._groups[source].get(held.box)
+        if group is None:
+            return None
+        if not held.box.numel:
+            return []
+        trainer = group.least(self.loads)
+        nbytes = held.box.numel * dtype_itemsize(held.dtype)
+        self.loads[trainer] += nbytes
+        local = Box((0,) * len(held.box.sizes), held.box.sizes)
+        return [Transfer(trainer, source, local, held.name, local, held.dtype, nbytes)]
+
     def _needs(
         self, who: _Who, held: HeldParam, parts: Sequence[str], shapes: Sequence[tuple[int, ...]], fused: Fuse | None
     ) -> list[tuple[str, Box, tuple[int, ...]]]:
@@ -267,6 +292,7 @@ class Plan:
                 raise ValueError(
                     f"{who} has global shape {list(held.global_shape)}, its source {parts[0]!r} {list(shapes[0])}"
                 )
+            _check_piece(who, held)
             return [(parts[0], held.box, (0,) * len(held.box.sizes))]
         dim = fused.dim if fused.dim >= 0 else fused.dim + len(held.global_shape)
         for part, shape in zip(parts, shapes, strict=True):
@@ -437,6 +463,19 @@ class _Who:
         return f"receiver {self.receiver}'s {self.name!r}"
 
     __format__ = lambda self, _spec: str(self)  # noqa: E731
+
+
+def _check_piece(who: object, held: HeldParam) -> None:
+    """A piece described by placements must be the piece they give (its local shape included)."""
+    if held.placements is None:
+        return
+    given = placement_box(held.global_shape, held.placements, held.mesh_shape or (), held.coordinate or ())
+    if given != held.box:
+        raise ValueError(
+            f"{who}: its local piece {held.box} (shape {list(held.box.sizes)}) is not the piece its placements "
+            f"{list(held.placements)} give on mesh {list(held.mesh_shape or ())} at {list(held.coordinate or ())}: "
+            f"{given}"
+        )
 
 
 def _least(groups: Sequence[_Holders], loads: list[int]) -> tuple[_Holders, int]:

@@ -102,7 +102,7 @@ def receiver_layouts(dtype: str = "bfloat16") -> list[list[HeldParam]]:
             for name, (shape, kind) in dense.items():
                 placement = {"col": Shard(0), "row": Shard(1), "norm": Replicate()}[kind]
                 box = placement_box(shape, [placement], [TP], [tp])
-                layout.append(HeldParam(name, shape, dtype, box, (placement,), (TP,), (tp,)))
+                layout.append(HeldParam(name, shape, dtype, box))  # placements are only needed for fused ones
             for name, shape in expert_shapes(range(rank * per_rank, (rank + 1) * per_rank)).items():
                 layout.append(HeldParam(name, shape, dtype, Box.full(shape)))
             layouts.append(layout)

@@ -79,6 +79,9 @@ def test_a_gap_an_overlap_and_mismatches_name_the_parameter():
         plan_sync(two, [[held("a", (4,), dtype="float8_e4m3fn")]])
     with pytest.raises(ValueError, match="trainer parameter 'a': trainer 0 has \\[4\\] float32, trainer 1 \\[6\\]"):
         plan_sync([[held("a", (4,))], [held("a", (6,))]], [])
+    wrong = held("w", (8, 4), Box((4, 0), (3, 4)), placements=(Shard(0),), mesh=(2,), coord=(1,))
+    with pytest.raises(ValueError, match=r"receiver 0's 'w': its local piece \[4:7, 0:4\].*give .*\[4:8, 0:4\]"):
+        plan_sync([[held("w", (8, 4))]], [[wrong]])
     with pytest.raises(ValueError, match="lists a part twice"):
         Mapping.build(fuse={"qkv": ["q", "q"]})
 
