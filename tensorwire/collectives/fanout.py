@@ -76,7 +76,7 @@ def as_wire(piece: Piece) -> torch.Tensor:
 
 
 def _direct(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-    return tensor.dtype == dtype and tensor.is_contiguous() and tensor.device.type == "cpu"
+    return tensor.dtype == dtype and not tensor.is_cuda and tensor.is_contiguous()
 
 
 def write_slot(array: np.ndarray, pieces: Sequence[Piece]) -> None:

@@ -48,6 +48,7 @@ _fences: dict[str, threading.Lock] = {}
 _versions_lock = threading.Lock()
 _shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> atomic shadow or fp8 staging
 _specs: dict[bytes, PushSpec] = {}  # the last spec the driver sent (serialised -> loaded)
+_prepared: dict[int, tuple[Any, Any]] = {}  # id(part of a spec) -> (that part, what was computed from it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +183,39 @@ def layout(actor: object, where: str | None, role: str) -> list[HeldParam]:
     return describe_value(holder_value(actor, where, role), role)[0]
 
 
+def _memo(obj: Any, make: Callable[[Any], Any]) -> Any:
+    """``make(obj)`` for a part of a kept spec, computed once (pushes repeat the same spec)."""
+    kept = _prepared.get(id(obj))
+    if kept is None or kept[0] is not obj:
+        if len(_prepared) > 100_000:
+            _prepared.clear()
+        kept = _prepared[id(obj)] = (obj, make(obj))
+    return kept[1]
+
+
+def _layout_key(layout: Sequence[HeldParam]) -> list[tuple[Any, ...]]:
+    """A layout as plain tuples: compared in C (dataclass equality of thousands of entries is not)."""
+    return [(h.name, h.global_shape, h.dtype, h.box.offsets, h.box.sizes, h.placements) for h in layout]
+
+
+def _bucket_views(
+    bucket: tuple[Region, ...], layout: Sequence[HeldParam]
+) -> list[tuple[int, tuple[slice, ...] | None, torch.dtype]]:
+    """(param, the slices of its piece or None for the whole local tensor, wire dtype) per region."""
+    result = []
+    for r in bucket:
+        whole = not any(r.box.offsets) and r.box.sizes == layout[r.param].box.sizes
+        result.append((r.param, None if whole else r.box.slices(), _dtype(r.wire_dtype)))
+    return result
+
+
+def _view(tensor: torch.Tensor, where: tuple[slice, ...] | None) -> torch.Tensor:
+    return tensor if where is None else tensor[where]
+
+
 def _tensors(actor: object, spec: PushSpec, role: str) -> list[torch.Tensor]:
     mine, tensors = describe_value(holder_value(actor, spec.where, role), role)
-    if tuple(mine) != spec.layout:
+    if _layout_key(mine) != _memo(spec.layout, _layout_key):
         who = "trainer" if role == "source" else "receiver"
         raise ValueError(f"the {who}'s tensors changed shape, dtype or names since the WeightSync was made")
     return tensors
@@ -198,6 +229,7 @@ def release(_actor: object, sync_id: str) -> None:
     """Hook, every member: drop the staging, mappings and shadows of sync ``sync_id``."""
     release_staging(sync_id)
     _specs.clear()
+    _prepared.clear()
     for key in [key for key in _shadows if key[0] == sync_id]:
         del _shadows[key]
 
@@ -229,6 +261,7 @@ def _load(spec: PushSpec | bytes, version: int | None, channel: str | None) -> P
         kept = _specs.get(spec)
         if kept is None:
             _specs.clear()
+            _prepared.clear()
             kept = _specs[spec] = pickle.loads(spec)  # from our driver, through Ray's own channel
         spec = kept
     if version is not None:
@@ -281,18 +314,17 @@ def send(
 
 
 def _pieces(tensors: list[torch.Tensor], spec: PushSpec, bucket: tuple[Region, ...]) -> list[Piece]:
+    prepared = _memo(bucket, lambda b: _bucket_views(b, spec.layout))
+    if spec.transform is None:
+        return [(_view(tensors[param], where), dtype) for param, where, dtype in prepared]
     pieces = []
-    for region in bucket:
-        view = tensors[region.param][region.box.slices()]
-        if spec.transform is not None:
-            changed = spec.transform(spec.layout[region.param].name, view)
-            if tuple(changed.shape) != tuple(view.shape):
-                raise ValueError(
-                    f"transform changed the shape of {spec.layout[region.param].name!r}: {tuple(view.shape)} -> "
-                    f"{tuple(changed.shape)}"
-                )
-            view = changed
-        pieces.append((view, _dtype(region.wire_dtype)))
+    for param, where, dtype in prepared:
+        view = _view(tensors[param], where)
+        name = spec.layout[param].name
+        changed = spec.transform(name, view)
+        if tuple(changed.shape) != tuple(view.shape):
+            raise ValueError(f"transform changed the shape of {name!r}: {tuple(view.shape)} -> {tuple(changed.shape)}")
+        pieces.append((changed, dtype))
     return pieces
 
 
@@ -406,8 +438,9 @@ def receive(
                             raise TensorwireError(f"bucket {k} from member {role.parent} will not come: {why}")
                         (_kind, expected) = HEADER.unpack_from(message)
                         bucket = role.buckets[k]
-                        views = [dsts[r.param][r.box.slices()] for r in bucket]
-                        dtypes = [_dtype(r.wire_dtype) for r in bucket]
+                        prepared = _memo(bucket, lambda b: _bucket_views(b, spec.layout))
+                        views = [_view(dsts[param], where) for param, where, _d in prepared]
+                        dtypes = [dtype for _p, _w, dtype in prepared]
                         fetch_start = time.perf_counter()
                         transport, slow_s, sent = _take(channel, spec, message, views, dtypes)
                         transports[transport] = transports.get(transport, 0) + 1
