@@ -17,7 +17,6 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,9 +33,8 @@ from tensorwire.collectives.fanout import (
     serving,
 )
 from tensorwire.collectives.fanout import release as release_staging
-from tensorwire.collectives.group import broadcast_parents
-from tensorwire.collectives.layout import Box, HeldParam, describe_value
-from tensorwire.collectives.plan import Plan
+from tensorwire.collectives.layout import HeldParam, describe_value
+from tensorwire.collectives.sync_spec import PushSpec, Region, Role, assign_roles
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.wire import peer_from_bytes
@@ -49,91 +47,6 @@ _versions_lock = threading.Lock()
 _shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> atomic shadow or fp8 staging
 _specs: dict[bytes, PushSpec] = {}  # the last spec the driver sent (serialised -> loaded)
 _prepared: dict[int, tuple[Any, Any]] = {}  # id(part of a spec) -> (that part, what was computed from it)
-
-
-@dataclass(frozen=True, slots=True)
-class Region:
-    """One piece of a bucket, as one side sees it: ``box`` of its tensor ``param``."""
-
-    param: int
-    box: Box
-    wire_dtype: str
-
-
-@dataclass(frozen=True)
-class Role:
-    """One stream as one member sees it: who it reads from (-1: it is the server), whom it
-    serves, and its buckets."""
-
-    stream: int
-    parent: int
-    children: tuple[int, ...]
-    buckets: tuple[tuple[Region, ...], ...]
-    slot_nbytes: int
-
-
-@dataclass(frozen=True)
-class PushSpec:
-    """Everything one member needs for one push."""
-
-    sync_id: str
-    name: str
-    version: int
-    channel: str
-    members: tuple[tuple[bytes, int], ...]
-    rank: int
-    where: str | None
-    layout: tuple[HeldParam, ...]
-    roles: tuple[Role, ...]
-    verify: bool
-    transport: str
-    timeout_s: float
-    driver: bytes = b""
-    atomic: bool = False
-    fence: str | None = None
-    scales: tuple[tuple[int, int], ...] = ()  # receiver: (float8 param, its scale param)
-    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
-
-
-def assign_roles(
-    plan: Plan,
-    live: Sequence[int],
-    *,
-    trainer_layouts: Sequence[Sequence[HeldParam]],
-    receiver_layouts: Sequence[Sequence[HeldParam]],
-    descriptions: Sequence[tuple[bytes, int]],
-    bucket_bytes: int,
-) -> tuple[dict[int, tuple[Role, ...]], int]:
-    """Per channel rank (the trainers, then the ``live`` receivers in order): its part in
-    every stream of ``plan``, with one relay tree per stream; and the number of buckets.
-    ``descriptions`` are the members' (``describe_self``), in channel-rank order."""
-    m = len(trainer_layouts)
-    rank_of = {rid: m + i for i, rid in enumerate(live)}
-    trainer_index = [{p.name: i for i, p in enumerate(layout)} for layout in trainer_layouts]
-    receiver_index = {
-        r: {p.name: i for i, p in enumerate(layout)} for r, layout in zip(live, receiver_layouts, strict=True)
-    }
-    roles: dict[int, list[Role]] = {rank: [] for rank in range(len(descriptions))}
-    streams = plan.streams(live, bucket_bytes)
-    for sid, stream in enumerate(streams):
-        ranks = [stream.trainer, *(rank_of[r] for r in stream.readers)]
-        compact = [member_from(i, descriptions[rank]) for i, rank in enumerate(ranks)]
-        parents = {ranks[c]: ranks[p] for c, p in broadcast_parents(compact, 0).items()}
-        children: dict[int, list[int]] = {}
-        for child, parent in parents.items():
-            children.setdefault(parent, []).append(child)
-        slot = stream.slot_nbytes
-        first = stream.transfers[stream.readers[0]]
-        names = trainer_index[stream.trainer]
-        buckets = tuple(tuple(Region(names[first[i].source], first[i].src, first[i].wire_dtype) for i in b)
-                        for b in stream.buckets)  # fmt: skip
-        roles[stream.trainer].append(Role(sid, -1, tuple(children.get(stream.trainer, ())), buckets, slot))
-        for r in stream.readers:
-            mine, index, rank = stream.transfers[r], receiver_index[r], rank_of[r]
-            buckets = tuple(tuple(Region(index[mine[i].target], mine[i].dst, mine[i].wire_dtype) for i in b)
-                            for b in stream.buckets)  # fmt: skip
-            roles[rank].append(Role(sid, parents[rank], tuple(children.get(rank, ())), buckets, slot))
-    return {rank: tuple(r) for rank, r in roles.items()}, sum(len(s.buckets) for s in streams)
 
 
 def weight_version(name: str = "weights") -> int:
