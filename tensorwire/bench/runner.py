@@ -13,6 +13,8 @@ Scenarios (``--scenarios``, all by default):
   (gloo); the consumer copies the value into its own buffers in every case.
 * ``one-to-n``: one actor's state into ``--peers`` actors: ``tw.WeightSync`` vs the object store
   (one put, N gets) vs torch.distributed gloo broadcast.
+* ``sharded-sync``: a ``--max-bytes`` model from 2 trainer halves into 2 replicas x TP 2
+  (:mod:`tensorwire.bench.sharded`): the plan vs gather-then-push vs the object store.
 
 Process scenarios run first (standalone agents); the Ray scenarios then start a local Ray.
 
@@ -49,7 +51,7 @@ from tensorwire.bench.table import format_table, plot
 
 __all__ = ["SCENARIOS", "Options", "format_table", "make_row", "run", "write_outputs"]
 
-SCENARIOS = ("p2p-processes", "many-tensors", "concurrent", "p2p-actors", "one-to-n")
+SCENARIOS = ("p2p-processes", "many-tensors", "concurrent", "p2p-actors", "one-to-n", "sharded-sync")
 MANY_TENSORS = (1, 16, 256, 1024)
 _PEER_TIMEOUT_S = 600.0
 
@@ -370,6 +372,10 @@ def run(options: Options, progress_enabled: bool = False) -> tuple[list[Row], li
             rows += _process_scenarios(options, progress, notes)
         if set(options.scenarios) & {"p2p-actors", "one-to-n"}:
             rows += _ray_scenarios(options, progress, notes)
+        if "sharded-sync" in options.scenarios:
+            from tensorwire.bench import sharded
+
+            rows += sharded.run(options, progress, notes)
     finally:
         progress.close()
     order = {name: i for i, name in enumerate(SCENARIOS)}

@@ -2,21 +2,37 @@
 
 Driver: ``create_group(actors, backend=..., name=...)``, ``destroy_group(name)``;
 inside a member actor: ``get_group(name)`` and its ``broadcast``/``all_reduce``/... methods.
+Weight sync: ``tw.WeightSync(trainers, receivers, ...)``; pieces described with ``Sharded``
+(``Shard``/``Replicate`` placements, like DTensor's), fused parameters with ``Fuse``;
+``plan_sync`` plans from layouts alone; inside receivers ``weight_version`` / ``weight_fence``.
 """
 
 from tensorwire.collectives.api import GroupInfo, create_group, destroy_group
 from tensorwire.collectives.group import BACKENDS, Group, get_group, group_names
+from tensorwire.collectives.layout import Box, HeldParam, Replicate, Shard, Sharded
+from tensorwire.collectives.plan import Fuse, Mapping, Plan, plan_sync
+from tensorwire.collectives.sync_hooks import weight_fence
 from tensorwire.collectives.weight_sync import SyncReport, WeightSync, weight_version
 
 __all__ = [
     "BACKENDS",
+    "Box",
+    "Fuse",
     "Group",
     "GroupInfo",
+    "HeldParam",
+    "Mapping",
+    "Plan",
+    "Replicate",
+    "Shard",
+    "Sharded",
     "SyncReport",
     "WeightSync",
     "create_group",
     "destroy_group",
     "get_group",
     "group_names",
+    "plan_sync",
+    "weight_fence",
     "weight_version",
 ]

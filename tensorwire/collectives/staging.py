@@ -77,6 +77,11 @@ class StagingRing:
     def nbytes(self) -> int:
         return self.slot_nbytes * len(self.names)
 
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """Each slot's bytes (writable)."""
+        return self._arrays
+
     def write(self, slot: int, tensors: Sequence[torch.Tensor]) -> None:
         """Pack host ``tensors`` into ``slot`` at their packed-layout offsets."""
         offsets, total = packed_layout(t.numel() * t.element_size() for t in tensors)
@@ -105,6 +110,10 @@ class RingReader:
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
         self._maps: dict[str, mmap.mmap] = {}
+
+    def mapped(self, name: str, slot_nbytes: int) -> np.ndarray:
+        """The bytes of a server's slot ``name`` (read-only; mapped once, kept)."""
+        return self._array(name, slot_nbytes)
 
     def _array(self, name: str, slot_nbytes: int) -> np.ndarray:
         array = self._arrays.get(name)

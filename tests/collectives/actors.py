@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 
 import torch
 
@@ -110,3 +111,158 @@ class Holder:
 
     def version(self, name: str = "weights") -> int:
         return tw.collective.weight_version(name)
+
+
+class CountingFence:
+    """A receiver-supplied fence (any context manager) that counts how often it was taken."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.entries = 0
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        self.entries += 1
+
+    def __exit__(self, *_exc: object) -> None:
+        self.lock.release()
+
+
+def doubled(_name: str, piece: torch.Tensor) -> torch.Tensor:
+    """A trainer transform: every value times two."""
+    return piece * 2
+
+
+def full_tensor(name: str, shape: tuple[int, ...], version: int = 1) -> torch.Tensor:
+    """The whole parameter ``name`` at ``version`` (what every test computes its expectations from)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}/{version}".encode()))
+    return torch.randn(shape, generator=gen)
+
+
+@tw.remote(num_cpus=0)
+class Pieces:
+    """A trainer or receiver of sharded weight-sync tests.
+
+    ``entries``: name -> (global shape, placements, mesh shape, coordinate, dtype, local shape
+    or None). Trainers (``version`` > 0) hold their piece of ``full_tensor(name, shape,
+    version)``; receivers (``version`` == 0) zeros of their local shape.
+    """
+
+    def __init__(self, entries: dict, version: int = 0) -> None:
+        from tensorwire.collectives.layout import placement_box
+
+        self.entries = entries
+        self.pieces = {}
+        for name, (shape, placements, mesh, coord, dtype, local) in entries.items():
+            box = placement_box(shape, placements, mesh, coord)
+            if version:
+                tensor = full_tensor(name, shape, version)[box.slices()].to(getattr(torch, dtype)).contiguous()
+            else:
+                tensor = torch.zeros(local or box.sizes, dtype=getattr(torch, dtype))
+            self.pieces[name] = tw.collective.Sharded.of(tensor, placements, mesh, coord, shape)
+        self.readings = {"reads": 0, "mixed": [], "versions": set()}
+        self._stop = None
+        self.publish_fence = CountingFence()
+
+    def fence_entries(self) -> int:
+        return self.publish_fence.entries
+
+    def state_dict(self) -> dict:
+        return self.pieces
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the pieces (float8 ones as their bytes: Ray cannot pickle float8)."""
+        result = {}
+        for name, piece in self.pieces.items():
+            tensor = piece.tensor
+            result[name] = (tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 and tensor.is_floating_point()
+                            else tensor).clone()  # fmt: skip
+        return result
+
+    def data_ptrs(self) -> list[int]:
+        return [piece.tensor.data_ptr() for piece in self.pieces.values()]
+
+    def become(self, version: int) -> None:
+        """A training step: every piece becomes its part of ``full_tensor(..., version)``, in place."""
+        from tensorwire.collectives.layout import placement_box
+
+        for name, (shape, placements, mesh, coord, _dtype, _local) in self.entries.items():
+            box = placement_box(shape, placements, mesh, coord)
+            self.pieces[name].tensor.copy_(full_tensor(name, shape, version)[box.slices()])
+
+    def fill(self, value: float) -> None:
+        for piece in self.pieces.values():
+            piece.tensor.fill_(value)
+
+    def start_reader(self) -> None:
+        """A thread that takes the sync's fence over and over and checks that every tensor holds
+        one value, the version it reports (the trainers push constant tensors)."""
+        import threading
+
+        self._stop = threading.Event()
+
+        def run() -> None:
+            fence = tw.collective.weight_fence("weights")
+            while not self._stop.is_set():
+                with fence:
+                    version = tw.collective.weight_version("weights")
+                    values = set()
+                    for piece in self.pieces.values():
+                        flat = piece.tensor.reshape(-1)
+                        values.update((float(flat[0]), float(flat[flat.numel() // 2]), float(flat[-1])))
+                self.readings["reads"] += 1
+                self.readings["versions"].add(version)
+                if values != {float(version)}:
+                    self.readings["mixed"].append((version, sorted(values)[:4]))
+                time.sleep(0.0002)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def stop_reader(self) -> dict:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        return {**self.readings, "versions": sorted(self.readings["versions"])}
+
+    def version(self, name: str = "weights") -> int:
+        return tw.collective.weight_version(name)
+
+
+def marked_slowly(path: str, _name: str, piece: torch.Tensor) -> torch.Tensor:
+    """A trainer transform for failure tests: marks ``path`` when the push reaches the trainer,
+    and keeps every piece 20 ms so that the push is still running when the test acts."""
+    with open(path, "a") as f:
+        f.write(".")
+    time.sleep(0.02)
+    return piece
+
+
+@tw.remote(num_cpus=0)
+class DTensorTrainer:
+    """A trainer rank whose ``state_dict()`` gives DTensors (gloo, a 1-D mesh of ``world`` ranks)."""
+
+    def __init__(self, rank: int, world: int, port: int, shapes: dict, placements: dict) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        from tensorwire.collectives.layout import placement_box
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        self.state = {}
+        for name, shape in shapes.items():
+            ours = placements[name]
+            theirs = [Shard(p.dim) if isinstance(p, tw.collective.Shard) else Replicate() for p in ours]
+            box = placement_box(shape, ours, (world,), (rank,))
+            local = full_tensor(name, shape)[box.slices()].contiguous()
+            self.state[name] = DTensor.from_local(local, mesh, theirs, run_check=False, shape=shape,
+                                                  stride=full_tensor(name, shape).stride())  # fmt: skip
+
+    def state_dict(self) -> dict:
+        return self.state

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 
 import torch
 
-from tensorwire.collectives import weight_sync
+from tensorwire.collectives import sync_hooks
 from tensorwire.collectives.channel import describe_self, member_from
 from tensorwire.collectives.group import TensorwireGroup
+from tensorwire.collectives.layout import Shard, Sharded
 from tests.helpers.tasks import digest
 
 _kept: dict[str, object] = {}
@@ -48,22 +49,50 @@ def holder(tensors: int, device: str, seed: int | None) -> SimpleNamespace:
     return _kept["holder"]
 
 
-def sync_send(spec: dict, device: str) -> dict:
-    actor = holder(spec["tensors"], device, seed=3)
-    result = weight_sync.send(actor, spec)
+def sync_send(spec: sync_hooks.PushSpec, tensors: int, device: str) -> dict:
+    actor = holder(tensors, device, seed=3)
+    result = sync_hooks.send(actor, spec)
     result["digest"] = digest(actor.weights)
     return result
 
 
-def sync_receive(spec: dict, rank: int, device: str) -> dict:
-    actor = holder(spec["tensors"], device, seed=None)
+def sync_receive(spec: sync_hooks.PushSpec, tensors: int, device: str) -> dict:
+    actor = holder(tensors, device, seed=None)
     before = [t.data_ptr() for t in actor.weights.values()]
-    result = weight_sync.receive(actor, spec, rank)
+    result = sync_hooks.receive(actor, spec)
     result["digest"] = digest(actor.weights)
     result["in_place"] = before == [t.data_ptr() for t in actor.weights.values()]
-    weight_sync.release(actor, spec["sync_id"])
+    sync_hooks.release(actor, spec.sync_id)
     return result
 
 
 def release(sync_id: str) -> None:
-    weight_sync.release(None, sync_id)
+    sync_hooks.release(None, sync_id)
+
+
+def _sharded_weights(role: str, rank: int, device: str) -> dict:
+    """Trainer rank ``rank`` of 2: rows of ``w`` (64 x 32, float32) and all of ``b``; the
+    receiver: columns 16:32 of ``w`` in bfloat16 and all of ``b``."""
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+    b = torch.randn(32, generator=torch.Generator().manual_seed(6))
+    if role == "trainer":
+        return {"w": Sharded.of(w.chunk(2)[rank].contiguous().to(device), [Shard(0)], (2,), (rank,)),
+                "b": b.to(device)}  # fmt: skip
+    return {"w": Sharded.of(torch.zeros(64, 16, dtype=torch.bfloat16, device=device), [Shard(1)], (2,), (1,)),
+            "b": torch.zeros(32, device=device), "expected": (w[:, 16:].to(torch.bfloat16), b)}  # fmt: skip
+
+
+def sharded_send(spec: sync_hooks.PushSpec, rank: int, device: str) -> dict:
+    actor = SimpleNamespace(weights=_sharded_weights("trainer", rank, device))
+    _kept[f"trainer{rank}"] = actor
+    return sync_hooks.send(actor, spec)
+
+
+def sharded_receive(spec: sync_hooks.PushSpec, device: str) -> dict:
+    weights = _sharded_weights("receiver", 0, device)
+    expected_w, expected_b = weights.pop("expected")
+    actor = SimpleNamespace(weights=weights)
+    result = sync_hooks.receive(actor, spec)
+    result["exact"] = torch.equal(weights["w"].tensor.cpu(), expected_w) and torch.equal(weights["b"].cpu(), expected_b)
+    sync_hooks.release(actor, spec.sync_id)
+    return result

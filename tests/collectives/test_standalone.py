@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tensorwire.collectives.weight_sync import _layout, bucket_plan
-from tensorwire.transport.packing import packed_layout
+from tensorwire.collectives.layout import Box, HeldParam
+from tensorwire.collectives.plan import plan_sync
+from tensorwire.collectives.sync_hooks import PushSpec, assign_roles
 from tests.helpers.procs import Worker
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -31,26 +32,58 @@ def test_tensorwire_broadcast_between_processes(workers, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_weight_sync_hooks_between_processes(workers, device):
-    import torch
-
     tensors = 40
-    layout = _layout([f"w{i}" for i in range(tensors)], [torch.zeros(1 << 16)] * tensors)
-    buckets = bucket_plan([entry[3] for entry in layout], 1 << 20)
-    assert buckets == [list(range(i, i + 4)) for i in range(0, tensors, 4)]  # 256 KiB tensors, 1 MiB buckets
-    spec = {
-        "name": "weights", "sync_id": "standalone", "version": 1, "channel": "tw-sync-standalone-1",
-        "members": [w.call("tests.collectives.standalone:describe") for w in workers],
-        "parents": {1: 0, 2: 0}, "buckets": buckets, "layout": layout, "source": "weights", "target": "weights",
-        "verify": True, "transport": "", "timeout_s": 60.0, "driver": b"", "tensors": tensors,
-        "slot_nbytes": max(packed_layout(layout[i][3] for i in b)[1] for b in buckets),
-    }  # fmt: skip
-    workers[0].send("tests.collectives.standalone:sync_send", spec, device)
-    workers[1].send("tests.collectives.standalone:sync_receive", spec, 1, device)
-    workers[2].send("tests.collectives.standalone:sync_receive", spec, 2, device)
+    layout = tuple(HeldParam(f"w{i}", (1 << 16,), "float32", Box.full((1 << 16,))) for i in range(tensors))
+    plan = plan_sync([layout], [layout, layout])
+    descriptions = [w.call("tests.collectives.standalone:describe") for w in workers]
+    roles, buckets = assign_roles(plan, [0, 1], trainer_layouts=[layout], receiver_layouts=[layout, layout],
+                                  descriptions=descriptions, bucket_bytes=1 << 20)  # fmt: skip
+    assert buckets == 10  # 4 tensors of 256 KiB per bucket
+
+    def spec(rank: int) -> PushSpec:
+        return PushSpec(sync_id="standalone", name="weights", version=1, channel="tw-sync-standalone-1",
+                        members=tuple(descriptions), rank=rank, where="weights", layout=layout, roles=roles[rank],
+                        verify=True, transport="", timeout_s=60.0)  # fmt: skip
+
+    workers[0].send("tests.collectives.standalone:sync_send", spec(0), tensors, device)
+    workers[1].send("tests.collectives.standalone:sync_receive", spec(1), tensors, device)
+    workers[2].send("tests.collectives.standalone:sync_receive", spec(2), tensors, device)
     sent, *received = [w.result(timeout_s=120) for w in workers]
-    assert sent["failed"] == {}
+    assert sent["failed"] == {} and sent["sent_nbytes"] == plan.nbytes
     for result in received:
         assert result["digest"] == sent["digest"] and result["in_place"] and result["version"] == 1
-        expected = {"shm": 10} if device == "cpu" else {"cuda_ipc": 10}  # one fetch per bucket
-        assert result["transports"] == expected
+        expected = {"shm": 10} if device == "cpu" else {"cuda_ipc": 10}
+        assert result["transports"] == expected and result["nbytes"] == tensors << 18
     workers[0].call("tests.collectives.standalone:release", "standalone")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sharded_weight_sync_hooks_between_processes(workers, device):
+    """Two trainer processes (rows of w, all of b) into one receiver (columns of w, as bf16)."""
+    from tensorwire.collectives.layout import Shard, placement_box
+
+    trainers = [(HeldParam("w", (64, 32), "float32", placement_box((64, 32), [Shard(0)], (2,), (r,)),
+                           (Shard(0),), (2,), (r,)),
+                 HeldParam("b", (32,), "float32", Box.full((32,)))) for r in range(2)]  # fmt: skip
+    receiver = (HeldParam("w", (64, 32), "bfloat16", Box((0, 16), (64, 16)), (Shard(1),), (2,), (1,)),
+                HeldParam("b", (32,), "float32", Box.full((32,))))  # fmt: skip
+    plan = plan_sync(trainers, [receiver])
+    descriptions = [w.call("tests.collectives.standalone:describe") for w in workers]
+    roles, _buckets = assign_roles(plan, [0], trainer_layouts=trainers, receiver_layouts=[receiver],
+                                   descriptions=descriptions, bucket_bytes=1024)  # fmt: skip
+
+    def spec(rank: int, layout: tuple) -> PushSpec:
+        return PushSpec(sync_id="sharded", name="weights", version=1, channel="tw-sync-sharded-1",
+                        members=tuple(descriptions), rank=rank, where="weights", layout=layout, roles=roles[rank],
+                        verify=True, transport="", timeout_s=60.0)  # fmt: skip
+
+    for rank in range(2):
+        workers[rank].send("tests.collectives.standalone:sharded_send", spec(rank, trainers[rank]), rank, device)
+    workers[2].send("tests.collectives.standalone:sharded_receive", spec(2, receiver), device)
+    sent = [w.result(timeout_s=120) for w in workers[:2]]
+    received = workers[2].result(timeout_s=120)
+    assert all(s["failed"] == {} for s in sent)
+    assert received["exact"] and received["version"] == 1
+    assert received["nbytes"] == plan.nbytes == 64 * 16 * 2 + 32 * 4  # bf16 on the wire: converted by the trainers
+    for rank in range(2):
+        workers[rank].call("tests.collectives.standalone:release", "sharded")

@@ -1,0 +1,278 @@
+"""The sharded weight-sync benchmark: 2 trainer shards -> 2 inference replicas x TP 2.
+
+A transformer-shaped state (per layer q, k, v, o, gate, up, down and a norm, float32) is held
+half by each of 2 trainer actors (rows, as FSDP does); 4 receiver actors are 2 replicas of 2
+tensor-parallel ranks with fused ``qkv`` / ``gate_up`` (column parallel), row-parallel ``o`` /
+``down`` and replicated norms. Every method leaves the same bytes in the receivers' tensors
+(checked against tensorwire's by checksum after every round):
+
+* ``tensorwire WeightSync``: the plan; each receiver reads its bytes from the trainers.
+* ``gather on trainer 0, push whole`` (what most RL frameworks do): the trainers all-gather
+  every parameter (gloo), trainer 0 broadcasts it whole to the receivers (gloo), each keeps
+  its slice.
+* ``Ray object store``: each trainer puts its shard once; every receiver gets both and keeps
+  its pieces.
+
+One core, two front ends: ``python -m benchmarks.sharded_sync`` and ``tensorwire bench
+--scenarios sharded-sync``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import torch
+
+import tensorwire as tw
+from tensorwire.collectives.fanout import checksum
+from tensorwire.collectives.layout import Replicate, Shard, Sharded, placement_box
+from tensorwire.collectives.plan import Fuse, plan_sync
+
+__all__ = ["HIDDEN", "Bench", "run"]
+
+HIDDEN, FFN = 1024, 2816
+TRAINERS, REPLICAS, TP = 2, 2, 2
+_PARTS = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, HIDDEN), "v": (HIDDEN, HIDDEN), "o": (HIDDEN, HIDDEN),
+          "gate": (FFN, HIDDEN), "up": (FFN, HIDDEN), "down": (HIDDEN, FFN), "norm": (HIDDEN,)}  # fmt: skip
+
+
+def shapes(nbytes: int, hidden: int = HIDDEN) -> dict[str, tuple[int, ...]]:
+    """Trainer parameter -> shape: as many layers as fit ``nbytes`` of float32 (at least
+    one; below one layer of ``HIDDEN`` the width shrinks)."""
+    scale = hidden / HIDDEN
+    parts = {k: tuple(max(8, int(d * scale) // 8 * 8) for d in s) for k, s in _PARTS.items()}
+    per_layer = sum(torch.Size(s).numel() * 4 for s in parts.values())
+    if nbytes < per_layer and hidden > 64:
+        return shapes(nbytes, hidden // 2)
+    return {f"l{i}.{k}": s for i in range(max(1, round(nbytes / per_layer))) for k, s in parts.items()}
+
+
+def trainer_entries(rank: int, model: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
+    return {n: (s, (Shard(0),), (TRAINERS,), (rank,), None) for n, s in model.items()}
+
+
+def receiver_entries(coord: tuple[int, int], model: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
+    mesh, entries = (REPLICAS, TP), {}
+    for layer in sorted({n.split(".")[0] for n in model}, key=lambda x: int(x[1:])):
+        for fused, parts in (("qkv", "qkv"), ("gate_up", ("gate", "up"))):
+            pieces = [placement_box(model[f"{layer}.{p}"], (Replicate(), Shard(0)), mesh, coord).sizes for p in parts]
+            shape = (sum(model[f"{layer}.{p}"][0] for p in parts), model[f"{layer}.{parts[0]}"][1])
+            entries[f"layers.{layer}.{fused}"] = (shape, (Replicate(), Shard(0)), mesh, coord,
+                                                  (sum(p[0] for p in pieces), pieces[0][1]))  # fmt: skip
+        for part in ("o", "down"):
+            entries[f"layers.{layer}.{part}_proj"] = (
+                model[f"{layer}.{part}"],
+                (Replicate(), Shard(1)),
+                mesh,
+                coord,
+                None,
+            )
+        entries[f"layers.{layer}.norm"] = (model[f"{layer}.norm"], (Replicate(), Replicate()), mesh, coord, None)
+    return entries
+
+
+def mapping(model: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], dict[str, Fuse]]:
+    layers = sorted({n.split(".")[0] for n in model})
+    rename = {}
+    fuse = {}
+    for layer in layers:
+        rename |= {f"{layer}.o": f"layers.{layer}.o_proj", f"{layer}.down": f"layers.{layer}.down_proj",
+                   f"{layer}.norm": f"layers.{layer}.norm"}  # fmt: skip
+        fuse[f"layers.{layer}.qkv"] = Fuse((f"{layer}.q", f"{layer}.k", f"{layer}.v"))
+        fuse[f"layers.{layer}.gate_up"] = Fuse((f"{layer}.gate", f"{layer}.up"))
+    return rename, fuse
+
+
+@tw.remote(num_cpus=0)
+class ShardedRank:
+    """A trainer rank (its half of every parameter) or a receiver rank (zeros of its layout)."""
+
+    def __init__(self, entries: dict[str, tuple], seed: int | None) -> None:
+        gen = torch.Generator().manual_seed(seed or 0)
+        self.pieces: dict[str, Sharded] = {}
+        for name, (shape, placements, mesh, coord, local) in entries.items():
+            size = local or placement_box(shape, placements, mesh, coord).sizes
+            tensor = torch.randn(size, generator=gen) if seed is not None else torch.zeros(size)
+            self.pieces[name] = Sharded.of(tensor, placements, mesh, coord, shape)
+        self._cuts: list[tuple[Any, ...]] = []
+        self._pool: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def state_dict(self) -> dict[str, Sharded]:
+        return self.pieces
+
+    def digest(self) -> int:
+        return checksum([p.tensor for p in self.pieces.values()])
+
+    def clear(self) -> None:
+        for piece in self.pieces.values():
+            piece.tensor.zero_()
+
+    def set_cuts(self, cuts: list[tuple[Any, ...]]) -> None:
+        """Where the baselines' whole tensors go: (trainer, source, src slices, target, dst slices)."""
+        self._cuts = cuts
+
+    # gather on trainer 0, push whole
+    def gather_push(self, order: list[tuple[str, tuple[int, ...]]], trainer: int | None) -> None:
+        push = tw.collective.get_group("tw-bench-push") if trainer in (None, 0) else None
+        by_source: dict[str, list[tuple[Any, ...]]] = {}
+        for cut in self._cuts:
+            by_source.setdefault(cut[1], []).append(cut)
+        for name, shape in order:
+            if trainer is not None:
+                gather = tw.collective.get_group("tw-bench-gather")
+                mine = self.pieces[name].tensor
+                parts = [torch.empty_like(mine) for _ in range(TRAINERS)]
+                gather.all_gather(parts, mine)
+                if push is not None:
+                    push.broadcast(torch.cat(parts), 0)
+                continue
+            full = self._pool.get(shape)
+            if full is None:
+                full = self._pool[shape] = torch.empty(shape)
+            push.broadcast(full, 0)
+            for _t, _source, src, target, dst in by_source.get(name, ()):
+                self.pieces[target].tensor[dst].copy_(full[src])
+
+    # Ray's object store
+    def put_shard(self) -> list[Any]:
+        return [ray.put({n: p.tensor for n, p in self.pieces.items()})]
+
+    def load_shards(self, boxes: list[list[Any]]) -> None:
+        shards = [ray.get(box[0]) for box in boxes]
+        for trainer, source, src, target, dst in self._cuts:
+            self.pieces[target].tensor[dst].copy_(shards[trainer][source][src])
+
+
+class Bench:
+    """The actors, groups and sync of one run, and its methods (call :meth:`close`)."""
+
+    def __init__(self, nbytes: int, *, bucket_bytes: int = 64 << 20) -> None:
+        self.model = shapes(nbytes)
+        self.coords = [(r, t) for r in range(REPLICAS) for t in range(TP)]
+        self.trainers = [ShardedRank.remote(trainer_entries(r, self.model), seed=r + 1) for r in range(TRAINERS)]
+        self.receivers = [ShardedRank.remote(receiver_entries(c, self.model), seed=None) for c in self.coords]
+        rename, fuse = mapping(self.model)
+        self.sync = tw.WeightSync(self.trainers, self.receivers, rename=rename, fuse=fuse, bucket_bytes=bucket_bytes,
+                                  progress=False)  # fmt: skip
+        tw.collective.create_group(self.trainers, backend="gloo", name="tw-bench-gather")
+        tw.collective.create_group([self.trainers[0], *self.receivers], backend="gloo", name="tw-bench-push")
+        self._object_cuts = self._cuts(self.sync.plan)
+        layouts = self.sync.receiver_layouts
+        whole = plan_sync([self._whole_layout()], [layouts[i] for i in range(len(self.receivers))],
+                          self.sync.plan.mapping)  # fmt: skip
+        self._whole_cuts = self._cuts(whole)
+        self.expected: list[int] = []
+
+    def _whole_layout(self) -> list[Any]:
+        from tensorwire.collectives.layout import Box, HeldParam
+
+        return [HeldParam(n, s, "float32", Box.full(s)) for n, s in self.model.items()]
+
+    @staticmethod
+    def _cuts(plan: Any) -> dict[int, list[tuple[Any, ...]]]:
+        return {r: [(t.trainer, t.source, t.src.slices(), t.target, t.dst.slices()) for t in ts]
+                for r, ts in plan.receivers.items()}  # fmt: skip
+
+    def pair_nbytes(self) -> dict[str, dict[tuple[int, int], int]]:
+        """Bytes each (trainer, receiver) pair moves per round, per method (the gather's
+        trainer-to-trainer bytes under receiver -1)."""
+        full = sum(torch.Size(s).numel() * 4 for s in self.model.values())
+        n = len(self.receivers)
+        return {
+            "tensorwire WeightSync": self.sync.plan.pair_nbytes(),
+            "gather on trainer 0, push whole": {
+                **{(0, r): full for r in range(n)},
+                (1, -1): full // 2,
+                (0, -1): full // 2,
+            },
+            "Ray object store": {(t, r): full // TRAINERS for t in range(TRAINERS) for r in range(n)},
+        }
+
+    def methods(self) -> dict[str, tuple[Callable[[], None], bool]]:
+        order = list(self.model.items())
+
+        def push() -> None:
+            report = self.sync.push()
+            if not report.ok:
+                raise RuntimeError(f"weight sync failed: {report.failed}")
+
+        def gather() -> None:
+            ray.get([t.gather_push.remote(order, i) for i, t in enumerate(self.trainers)]
+                    + [r.gather_push.remote(order, None) for r in self.receivers])  # fmt: skip
+
+        def store() -> None:
+            boxes = ray.get([t.put_shard.remote() for t in self.trainers])
+            ray.get([r.load_shards.remote(boxes) for r in self.receivers])
+
+        return {"tensorwire WeightSync": (push, False), "gather on trainer 0, push whole": (gather, True),
+                "Ray object store": (store, True)}  # fmt: skip
+
+    def prepare(self, method: str) -> None:
+        cuts = self._whole_cuts if method.startswith("gather") else self._object_cuts
+        ray.get([r.set_cuts.remote(cuts[i]) for i, r in enumerate(self.receivers)])
+        ray.get([r.clear.remote() for r in self.receivers])
+
+    def right(self) -> bool:
+        """Every receiver holds what tensorwire's first push left there."""
+        got = ray.get([r.digest.remote() for r in self.receivers])
+        if not self.expected:
+            self.expected = got
+        return got == self.expected
+
+    def close(self) -> None:
+        self.sync.close()
+        for name in ("tw-bench-gather", "tw-bench-push"):
+            tw.collective.destroy_group(name)
+
+
+def measure(bench: Bench, rounds: int, log: Callable[[str], None] = lambda _s: None) -> dict[str, list[float]]:
+    """Seconds per round of each method (round 0 warms up, not kept), orders rotated; raises
+    on wrong data."""
+    methods = bench.methods()
+    names = list(methods)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for index in range(rounds + 1):
+        for name in names[index % len(names) :] + names[: index % len(names)]:
+            bench.prepare(name)
+            start = time.perf_counter()
+            methods[name][0]()
+            elapsed = time.perf_counter() - start
+            if not bench.right():
+                raise RuntimeError(f"{name}: the receivers hold other bytes than tensorwire's push left")
+            if index:
+                samples[name].append(elapsed)
+            log(f"round {index} {name}: {elapsed:.3f} s")
+    return samples
+
+
+def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
+    """``tensorwire bench`` scenario ``sharded-sync``: a model of ``--max-bytes``."""
+    from tensorwire.bench.runner import make_row
+
+    started = not ray.is_initialized()
+    tw.init(include_dashboard=False, num_cpus=8)
+    rows = []
+    try:
+        bench = Bench(options.max_bytes)
+        try:
+            plan_bytes = bench.sync.plan.nbytes
+            samples = measure(bench, max(1, min(options.iterations, 5)))
+            for method, times in samples.items():
+                result = {"times": times, "wrong": 0}
+                rows.append(make_row("sharded-sync", method, result, baseline=method != "tensorwire WeightSync",
+                                     nbytes=plan_bytes, tensors=len(bench.model), peers=len(bench.receivers),
+                                     rate=plan_bytes / statistics.median(times) / 1e9,
+                                     transport="" if method != "tensorwire WeightSync" else "auto",
+                                     reason="2 trainer halves -> 2 replicas x TP 2"))  # fmt: skip
+                progress.step(f"sharded-sync {method}")
+            notes.append(f"sharded-sync: {len(bench.model)} tensors; GB/s counts the plan's bytes ({plan_bytes} B)")
+        finally:
+            bench.close()
+    finally:
+        if started:
+            ray.shutdown()
+    return rows

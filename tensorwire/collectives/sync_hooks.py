@@ -1,0 +1,412 @@
+"""What runs inside the weight-sync actors (hook methods the driver calls through Ray).
+
+A trainer serves one stream per group of receivers that read the same pieces from it
+(:mod:`.fanout`); a receiver reads every stream it is in, level by level (bucket k of each, then
+k+1), copies the pieces into its tensors and relays a stream to its node-mates when it is
+that node's leader. Everything arrives where the receiver keeps it: in place by default; with
+``atomic`` into a shadow copy that one local copy inside the receiver's fence publishes; float8
+parameters into a staging tensor of the wire dtype, quantised at the end with a per-tensor
+scale. A receiver records the version only when every stream completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from tensorwire.collectives.channel import Channel, member_from
+from tensorwire.collectives.fanout import (
+    HEADER,
+    SLOT,
+    Fanout,
+    Piece,
+    checksum,
+    read_slot,
+    ring_reader,
+    serving,
+)
+from tensorwire.collectives.fanout import release as release_staging
+from tensorwire.collectives.layout import HeldParam, describe_value
+from tensorwire.collectives.sync_spec import PushSpec, Region, Role, assign_roles
+from tensorwire.errors import TensorwireError
+from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.transport.wire import peer_from_bytes
+
+__all__ = ["PushSpec", "Region", "Role", "assign_roles", "weight_fence", "weight_version"]
+
+_versions: dict[str, int] = {}
+_fences: dict[str, threading.Lock] = {}
+_versions_lock = threading.Lock()
+_shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> atomic shadow or fp8 staging
+_specs: dict[bytes, PushSpec] = {}  # the last spec the driver sent (serialised -> loaded)
+_prepared: dict[int, tuple[Any, Any]] = {}  # id(part of a spec) -> (that part, what was computed from it)
+
+
+def weight_version(name: str = "weights") -> int:
+    """Inside a receiver: the version of weight sync ``name`` it holds completely (0: none)."""
+    with _versions_lock:
+        return _versions.get(name, 0)
+
+
+def weight_fence(name: str = "weights") -> threading.Lock:
+    """Inside a receiver: the lock an atomic sync ``name`` publishes a version under (when
+    it was given no ``fence``). Readers that hold it see one whole version."""
+    with _versions_lock:
+        return _fences.setdefault(name, threading.Lock())
+
+
+def holder_value(actor: object, where: str | None, role: str) -> dict[str, Any]:
+    """The named tensors of an actor: ``actor.<where>`` (a module, a dict, or a method giving
+    either); by default its ``state_dict()`` method when it has one, else its ``model``."""
+    if where is None:
+        method = getattr(actor, "state_dict", None)
+        if callable(method):
+            return _as_dict(method(), "state_dict()", role)
+        where = "model"
+    if not isinstance(where, str) or not where:
+        raise ValueError(f"{role} must name an attribute or method of the actor")
+    if not hasattr(actor, where):
+        raise AttributeError(
+            f"the {role} actor ({type(actor).__name__}) has no attribute {where!r}; pass {role}=<the attribute "
+            "or method that gives an nn.Module or a dict of tensors>"
+        )
+    value = getattr(actor, where)
+    if callable(value) and not isinstance(value, torch.nn.Module):
+        value = value()
+    return _as_dict(value, where, role)
+
+
+def _as_dict(value: Any, where: str, role: str) -> dict[str, Any]:
+    if isinstance(value, torch.nn.Module):
+        value = value.state_dict(keep_vars=False)
+    if not isinstance(value, dict):
+        raise TypeError(f"{role} {where!r} gives {type(value).__name__}, not an nn.Module or a dict of tensors")
+    return value
+
+
+def layout(actor: object, where: str | None, role: str) -> list[HeldParam]:
+    """Hook: the pieces this actor holds (``role``: "source" or "target")."""
+    return describe_value(holder_value(actor, where, role), role)[0]
+
+
+def _memo(obj: Any, make: Callable[[Any], Any]) -> Any:
+    """``make(obj)`` for a part of a kept spec, computed once (pushes repeat the same spec)."""
+    kept = _prepared.get(id(obj))
+    if kept is None or kept[0] is not obj:
+        if len(_prepared) > 100_000:
+            _prepared.clear()
+        kept = _prepared[id(obj)] = (obj, make(obj))
+    return kept[1]
+
+
+def _layout_key(layout: Sequence[HeldParam]) -> list[tuple[Any, ...]]:
+    """A layout as plain tuples: compared in C (dataclass equality of thousands of entries is not)."""
+    return [(h.name, h.global_shape, h.dtype, h.box.offsets, h.box.sizes, h.placements) for h in layout]
+
+
+def _bucket_views(
+    bucket: tuple[Region, ...], layout: Sequence[HeldParam]
+) -> list[tuple[int, tuple[slice, ...] | None, torch.dtype]]:
+    """(param, the slices of its piece or None for the whole local tensor, wire dtype) per region."""
+    result = []
+    for r in bucket:
+        whole = not any(r.box.offsets) and r.box.sizes == layout[r.param].box.sizes
+        result.append((r.param, None if whole else r.box.slices(), _dtype(r.wire_dtype)))
+    return result
+
+
+def _view(tensor: torch.Tensor, where: tuple[slice, ...] | None) -> torch.Tensor:
+    return tensor if where is None else tensor[where]
+
+
+def _tensors(actor: object, spec: PushSpec, role: str) -> list[torch.Tensor]:
+    mine, tensors = describe_value(holder_value(actor, spec.where, role), role)
+    if _layout_key(mine) != _memo(spec.layout, _layout_key):
+        who = "trainer" if role == "source" else "receiver"
+        raise ValueError(f"the {who}'s tensors changed shape, dtype or names since the WeightSync was made")
+    return tensors
+
+
+def versions_hook(_actor: object, name: str) -> int:
+    return weight_version(name)
+
+
+def release(_actor: object, sync_id: str) -> None:
+    """Hook, every member: drop the staging, mappings and shadows of sync ``sync_id``."""
+    release_staging(sync_id)
+    _specs.clear()
+    _prepared.clear()
+    for key in [key for key in _shadows if key[0] == sync_id]:
+        del _shadows[key]
+
+
+def _channel(spec: PushSpec) -> Channel:
+    members = [member_from(r, d) for r, d in enumerate(spec.members)]
+    return Channel(spec.channel, spec.rank, members, spec.timeout_s)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _fanouts(channel: Channel, spec: PushSpec, on_done: Callable[[int, int], None] | None = None) -> dict[int, Fanout]:
+    result = {}
+    for role in spec.roles:
+        if role.children:
+            done = (lambda k, s=role.stream: on_done(s, k)) if on_done else (lambda _k: None)
+            result[role.stream] = Fanout(
+                channel, role.children, sync_id=spec.sync_id, stream=role.stream, slot_nbytes=role.slot_nbytes,
+                transport=spec.transport, on_done=done,
+            )  # fmt: skip
+    return result
+
+
+def _load(spec: PushSpec | bytes, version: int | None, channel: str | None) -> PushSpec:
+    """The spec of this push: given, or serialised by the driver (kept while it is the same)."""
+    if isinstance(spec, bytes):
+        kept = _specs.get(spec)
+        if kept is None:
+            _specs.clear()
+            _prepared.clear()
+            kept = _specs[spec] = pickle.loads(spec)  # from our driver, through Ray's own channel
+        spec = kept
+    if version is not None:
+        spec = dataclasses.replace(spec, version=version, channel=channel or spec.channel)
+    return spec
+
+
+def send(
+    actor: object, spec: PushSpec | bytes, version: int | None = None, channel: str | None = None
+) -> dict[str, Any]:
+    """Hook, trainer: serve every stream it is the server of, bucket level by level."""
+    start = time.perf_counter()
+    spec = _load(spec, version, channel)
+    channel = _channel(spec)
+    driver = peer_from_bytes(spec.driver) if spec.driver else None
+
+    def report_progress(stream: int, k: int) -> None:
+        if driver is not None:
+            with contextlib.suppress(TensorwireError):  # progress is best effort
+                runtime_agent().rendezvous_push(driver, spec.channel, f"progress/{stream}/{k}", b"", timeout_s=5.0)
+
+    fanouts = _fanouts(channel, spec, report_progress)
+    checksum_s = 0.0
+    try:
+        with serving(list(fanouts.values()), f"trainer {spec.rank}"):  # a failure here tells the receivers at once
+            tensors = _tensors(actor, spec, "source")
+            for k in range(max((len(r.buckets) for r in spec.roles), default=0)):
+                for role in spec.roles:
+                    if k >= len(role.buckets):
+                        continue
+                    pieces = _pieces(tensors, spec, role.buckets[k])
+                    check_start = time.perf_counter()
+                    check = checksum([_wire(p) for p in pieces]) if spec.verify else 0
+                    checksum_s += time.perf_counter() - check_start
+                    fanouts[role.stream].offer(k, pieces, check)
+    finally:
+        channel.close()
+    failed: dict[int, str] = {}
+    for fanout in fanouts.values():
+        failed.update(fanout.failed)
+    return {
+        "rank": spec.rank,
+        "pack_s": sum(f.pack_s for f in fanouts.values()),
+        "checksum_s": checksum_s,
+        "seconds": time.perf_counter() - start,
+        "failed": failed,
+        "sent_nbytes": sum(f.sent_nbytes for f in fanouts.values()),
+        "peak_nbytes": sum(f.peak_nbytes for f in fanouts.values()),
+    }
+
+
+def _pieces(tensors: list[torch.Tensor], spec: PushSpec, bucket: tuple[Region, ...]) -> list[Piece]:
+    prepared = _memo(bucket, lambda b: _bucket_views(b, spec.layout))
+    if spec.transform is None:
+        return [(_view(tensors[param], where), dtype) for param, where, dtype in prepared]
+    pieces = []
+    for param, where, dtype in prepared:
+        view = _view(tensors[param], where)
+        name = spec.layout[param].name
+        changed = spec.transform(name, view)
+        if tuple(changed.shape) != tuple(view.shape):
+            raise ValueError(f"transform changed the shape of {name!r}: {tuple(view.shape)} -> {tuple(changed.shape)}")
+        pieces.append((changed, dtype))
+    return pieces
+
+
+def _wire(piece: Piece) -> torch.Tensor:
+    view, dtype = piece
+    return view if view.dtype == dtype else view.to(dtype)
+
+
+def _take(
+    channel: Channel, spec: PushSpec, message: bytes, views: list[torch.Tensor], dtypes: list[torch.dtype]
+) -> tuple[str, float, list[torch.Tensor]]:
+    """Copy one bucket into ``views``: from the sender's staging slot or as an announced
+    object. Returns the transport, the seconds spent on strided or converted copies, and the
+    bucket's tensors as sent (to relay)."""
+    kind, payload = message[:1], message[HEADER.size :]
+    if kind == b"R":
+        (slot_nbytes,) = SLOT.unpack_from(payload)
+        array = ring_reader(spec.sync_id).mapped(payload[SLOT.size :].decode(), slot_nbytes)
+        return "shm", read_slot(array, views, dtypes), views
+    direct = [v.dtype == d and v.is_contiguous() for v, d in zip(views, dtypes, strict=True)]
+    fetched = channel.fetch(payload, [v if ok else None for v, ok in zip(views, direct, strict=True)],
+                            transport=spec.transport)  # fmt: skip
+    copy_start = time.perf_counter()
+    for i, ok in enumerate(direct):
+        if not ok:
+            views[i].copy_(fetched.tensors[i])
+    return fetched.transport, fetched.copy_s + time.perf_counter() - copy_start, fetched.tensors
+
+
+def _destinations(spec: PushSpec, targets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Where each parameter's pieces land: the target itself, its atomic shadow, or (float8)
+    a staging tensor of the wire dtype. Kept between pushes."""
+    wire = {r.param: r.wire_dtype for role in spec.roles for bucket in role.buckets for r in bucket}
+    fp8 = {p for p, _scale in spec.scales}
+    result = []
+    for i, target in enumerate(targets):
+        if i in fp8 and i in wire:
+            key, shape, dtype = (spec.sync_id, -1 - i), target.shape, _dtype(wire[i])
+        elif spec.atomic:
+            key, shape, dtype = (spec.sync_id, i), target.shape, target.dtype
+        else:
+            result.append(target)
+            continue
+        kept = _shadows.get(key)
+        if kept is None or kept.shape != shape or kept.dtype != dtype or kept.device != target.device:
+            kept = _shadows[key] = torch.empty(shape, dtype=dtype, device=target.device)
+        result.append(kept)
+    return result
+
+
+def _shadow(spec: PushSpec, targets: list[torch.Tensor], i: int) -> torch.Tensor:
+    if not spec.atomic:
+        return targets[i]
+    key = (spec.sync_id, i)
+    kept = _shadows.get(key)
+    if kept is None or kept.shape != targets[i].shape or kept.dtype != targets[i].dtype:
+        kept = _shadows[key] = torch.empty_like(targets[i])
+    return kept
+
+
+def _quantise(spec: PushSpec, targets: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
+    """Float8 parameters: scale = amax of the piece / the dtype's max; write both."""
+    for param, scale_param in spec.scales:
+        out = _shadow(spec, targets, param)
+        high = dsts[param].float()
+        top = torch.finfo(out.dtype).max
+        scale = (high.abs().max() / top).clamp(min=1e-12)
+        out.copy_((high / scale).clamp(-top, top).to(out.dtype))
+        _shadow(spec, targets, scale_param).fill_(scale.item())
+
+
+@contextlib.contextmanager
+def _fence(actor: object, spec: PushSpec) -> Iterator[None]:
+    if spec.fence is None:
+        with weight_fence(spec.name):
+            yield
+        return
+    fence = getattr(actor, spec.fence, None)
+    if fence is None:
+        raise AttributeError(f"the receiver ({type(actor).__name__}) has no fence attribute {spec.fence!r}")
+    with fence() if callable(fence) and not hasattr(fence, "__enter__") else fence:
+        yield
+
+
+def receive(
+    actor: object, spec: PushSpec | bytes, version: int | None = None, channel: str | None = None
+) -> dict[str, Any]:
+    """Hook, receiver: read every stream it is in into its tensors; serve the ones it leads."""
+    start = time.perf_counter()
+    spec = _load(spec, version, channel)
+    channel = _channel(spec)
+    fanouts = _fanouts(channel, spec)
+    transfer_s = unpack_s = verify_s = 0.0
+    nbytes = 0
+    transports: dict[str, int] = {}
+    acks: list[Callable[[], None]] = []
+    acked = {role.stream: 0 for role in spec.roles}
+    try:
+        with serving(list(fanouts.values()), f"relay {spec.rank}"):
+            try:
+                targets = _tensors(actor, spec, "target")
+                dsts = _destinations(spec, targets)
+                for k in range(max((len(r.buckets) for r in spec.roles), default=0)):
+                    for role in spec.roles:
+                        if k >= len(role.buckets):
+                            continue
+                        key = f"s{role.stream}/b{k}"
+                        message = channel.recv(role.parent, key)
+                        if len(message) < HEADER.size or message[:1] not in (b"R", b"O"):
+                            why = message[HEADER.size :].decode(errors="replace") if message[:1] == b"A" else "bad"
+                            raise TensorwireError(f"bucket {k} from member {role.parent} will not come: {why}")
+                        (_kind, expected) = HEADER.unpack_from(message)
+                        bucket = role.buckets[k]
+                        prepared = _memo(bucket, lambda b: _bucket_views(b, spec.layout))
+                        views = [_view(dsts[param], where) for param, where, _d in prepared]
+                        dtypes = [dtype for _p, _w, dtype in prepared]
+                        fetch_start = time.perf_counter()
+                        transport, slow_s, sent = _take(channel, spec, message, views, dtypes)
+                        transports[transport] = transports.get(transport, 0) + 1
+                        unpack_s += slow_s
+                        transfer_s += time.perf_counter() - fetch_start - slow_s
+                        nbytes += sum(v.numel() * d.itemsize for v, d in zip(views, dtypes, strict=True))
+                        if spec.verify:
+                            verify_start = time.perf_counter()
+                            intact = checksum(views) == expected
+                            verify_s += time.perf_counter() - verify_start
+                            if not intact:
+                                raise TensorwireError(f"bucket {k} from member {role.parent}: checksum mismatch")
+                        acks.append(channel.post(role.parent, f"{key}/ack", b""))
+                        acked[role.stream] = k + 1
+                        if role.stream in fanouts:
+                            fanouts[role.stream].offer(k, [(t, t.dtype) for t in sent], expected)
+                    while len(acks) > len(spec.roles):
+                        acks.pop(0)()
+                for ack in acks:
+                    ack()
+                _quantise(spec, targets, dsts)
+                if spec.atomic:
+                    with _fence(actor, spec):  # one local copy: readers holding the fence see whole versions
+                        for i, target in enumerate(targets):
+                            target.copy_(_shadow(spec, targets, i))
+                        _publish(spec)
+                else:
+                    _publish(spec)
+            except BaseException as e:  # tell the parents, so that they stop waiting for this receiver
+                reason = f"receiver {spec.rank}: {type(e).__name__}: {e}".encode()[:4096]
+                for role in spec.roles:
+                    with contextlib.suppress(TensorwireError):
+                        channel.send(role.parent, f"s{role.stream}/b{acked[role.stream]}/ack", reason)
+                raise
+    finally:
+        channel.close()
+    relay_failed: dict[int, str] = {}
+    for fanout in fanouts.values():
+        relay_failed.update(fanout.failed)
+    return {
+        "rank": spec.rank,
+        "version": spec.version,
+        "nbytes": nbytes,
+        "transfer_s": transfer_s,
+        "unpack_s": unpack_s,
+        "verify_s": verify_s,
+        "seconds": time.perf_counter() - start,
+        "transports": transports,
+        "relay_failed": relay_failed,
+        "peak_nbytes": sum(f.peak_nbytes for f in fanouts.values()),
+    }
+
+
+def _publish(spec: PushSpec) -> None:
+    with _versions_lock:
+        _versions[spec.name] = spec.version

@@ -1,0 +1,108 @@
+"""What each member of a weight-sync push is told: its role in every stream (pure data).
+
+The driver turns the plan's streams into a :class:`PushSpec` per member (:func:`assign_roles`):
+for each stream the member reads or serves, a :class:`Role` with its parent and children in the
+stream's relay tree and its buckets of :class:`Region` s (a parameter index, a box of it, the
+dtype on the wire).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tensorwire.collectives.channel import member_from
+from tensorwire.collectives.group import broadcast_parents
+from tensorwire.collectives.layout import Box, HeldParam
+from tensorwire.collectives.plan import Plan
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PushSpec", "Region", "Role", "assign_roles"]
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One piece of a bucket, as one side sees it: ``box`` of its tensor ``param``."""
+
+    param: int
+    box: Box
+    wire_dtype: str
+
+
+@dataclass(frozen=True)
+class Role:
+    """One stream as one member sees it: who it reads from (-1: it is the server), whom it
+    serves, and its buckets."""
+
+    stream: int
+    parent: int
+    children: tuple[int, ...]
+    buckets: tuple[tuple[Region, ...], ...]
+    slot_nbytes: int
+
+
+@dataclass(frozen=True)
+class PushSpec:
+    """Everything one member needs for one push."""
+
+    sync_id: str
+    name: str
+    version: int
+    channel: str
+    members: tuple[tuple[bytes, int], ...]
+    rank: int
+    where: str | None
+    layout: tuple[HeldParam, ...]
+    roles: tuple[Role, ...]
+    verify: bool
+    transport: str
+    timeout_s: float
+    driver: bytes = b""
+    atomic: bool = False
+    fence: str | None = None
+    scales: tuple[tuple[int, int], ...] = ()  # receiver: (float8 param, its scale param)
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+
+
+def assign_roles(
+    plan: Plan,
+    live: Sequence[int],
+    *,
+    trainer_layouts: Sequence[Sequence[HeldParam]],
+    receiver_layouts: Sequence[Sequence[HeldParam]],
+    descriptions: Sequence[tuple[bytes, int]],
+    bucket_bytes: int,
+) -> tuple[dict[int, tuple[Role, ...]], int]:
+    """Per channel rank (the trainers, then the ``live`` receivers in order): its part in
+    every stream of ``plan``, with one relay tree per stream; and the number of buckets.
+    ``descriptions`` are the members' (``describe_self``), in channel-rank order."""
+    m = len(trainer_layouts)
+    rank_of = {rid: m + i for i, rid in enumerate(live)}
+    trainer_index = [{p.name: i for i, p in enumerate(layout)} for layout in trainer_layouts]
+    receiver_index = {
+        r: {p.name: i for i, p in enumerate(layout)} for r, layout in zip(live, receiver_layouts, strict=True)
+    }
+    roles: dict[int, list[Role]] = {rank: [] for rank in range(len(descriptions))}
+    streams = plan.streams(live, bucket_bytes)
+    for sid, stream in enumerate(streams):
+        ranks = [stream.trainer, *(rank_of[r] for r in stream.readers)]
+        compact = [member_from(i, descriptions[rank]) for i, rank in enumerate(ranks)]
+        parents = {ranks[c]: ranks[p] for c, p in broadcast_parents(compact, 0).items()}
+        children: dict[int, list[int]] = {}
+        for child, parent in parents.items():
+            children.setdefault(parent, []).append(child)
+        slot = stream.slot_nbytes
+        first = stream.transfers[stream.readers[0]]
+        names = trainer_index[stream.trainer]
+        buckets = tuple(tuple(Region(names[first[i].source], first[i].src, first[i].wire_dtype) for i in b)
+                        for b in stream.buckets)  # fmt: skip
+        roles[stream.trainer].append(Role(sid, -1, tuple(children.get(stream.trainer, ())), buckets, slot))
+        for r in stream.readers:
+            mine, index, rank = stream.transfers[r], receiver_index[r], rank_of[r]
+            buckets = tuple(tuple(Region(index[mine[i].target], mine[i].dst, mine[i].wire_dtype) for i in b)
+                            for b in stream.buckets)  # fmt: skip
+            roles[rank].append(Role(sid, parents[rank], tuple(children.get(rank, ())), buckets, slot))
+    return {rank: tuple(r) for rank, r in roles.items()}, sum(len(s.buckets) for s in streams)
