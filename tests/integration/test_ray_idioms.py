@@ -5,7 +5,6 @@ options, wait_tensor_freed, pytree containers, WeightSync's default source."""
 from __future__ import annotations
 
 import gc
-import time
 
 import pytest
 import ray
@@ -23,15 +22,6 @@ def echo(ray_local):
 @pytest.fixture(scope="module")
 def other(ray_local):
     return Echo.remote()
-
-
-def _until(predicate, *, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 # ---------------------------------------------------------------------- 1. any handle

@@ -12,13 +12,13 @@ import asyncio
 import gc
 import os
 import signal
-import time
 
 import pytest
 import ray
 import torch
 
 import tensorwire as tw
+from tests.helpers.observe import wait_until
 from tests.integration.actors import Producer
 from tests.integration.rdt_actors import AsyncEcho, Box, Echo
 
@@ -33,18 +33,9 @@ def receiver(ray_local):
     return Echo.remote()
 
 
-def _until(predicate, *, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def _owned_returns_to(actor, baseline: int) -> bool:
     gc.collect()
-    return _until(lambda: ray.get(actor.owned.remote()) == baseline)
+    return wait_until(lambda: ray.get(actor.owned.remote()) == baseline, timeout_s=60)
 
 
 # ---------------------------------------------------------------------- point to point
@@ -185,7 +176,7 @@ def test_producer_dies_before_the_send(receiver, ray_local):
     os.kill(pid, signal.SIGKILL)
     # Until its parent reaps it the killed process still exists, and a same-node read of its
     # shared memory can then succeed: wait for it to be gone (an observable state, no sleep).
-    assert _until(lambda: not os.path.exists(f"/proc/{pid}"))
+    assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout_s=60)
     with pytest.raises(tw.OwnerDiedError):
         ray.get(receiver.double.remote(ref))
     with pytest.raises(tw.OwnerDiedError):
