@@ -39,7 +39,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 start=$(date +%s)
 timeout 240 "$py" -m pytest -o addopts="" -p no:cacheprovider -ra -v --timeout 120 \
-    tests/gpu tests/collectives/test_standalone.py tests/transport/test_gpu_logic.py > "$out/pytest.log" 2>&1
+    tests/gpu tests/collectives/test_standalone.py tests/transport/test_gpu_logic.py tests/runtime/test_device_check.py \
+    > "$out/pytest.log" 2>&1
 status=$?
 {
     echo "exit status $status after $(( $(date +%s) - start )) s; summary:"

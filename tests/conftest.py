@@ -7,6 +7,10 @@ import os
 import sys
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # only loopback traffic on test machines
+# Ray runs its workers at nice 15; next to busy processes at nice 0 (the load run,
+# .ci/load-run) they got about 4% of a core each and the suite would take hours. The tests'
+# Ray workers run at the same niceness as everything else, so load slows every process alike.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import pytest
 
