@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import threading
 import time
@@ -30,8 +31,31 @@ from tensorwire.transport.packing import packed_layout
 __all__ = ["free", "get", "get_async", "init", "put", "register_tensors", "stats", "target_device", "wait",
            "wait_tensor_freed"]  # fmt: skip
 
+logger = logging.getLogger(__name__)
+
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+_RAY_START_ATTEMPTS = 3
+
+
+def _start_ray(ray: Any, address: str | None, kwargs: dict[str, Any]) -> None:
+    """``ray.init``, tried again when a local instance it starts times out during start-up.
+
+    Ray gives a new local node a fixed 30 s to register with its GCS; on a loaded machine
+    (seen in the suite's load run) the raylet can miss that and ``ray.init`` raises. Joining
+    an existing cluster is not retried."""
+    starts_local = address in (None, "local") and not os.environ.get("RAY_ADDRESS")
+    for attempt in range(1, _RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(address=address, **kwargs)
+            return
+        except Exception as e:
+            if not starts_local or "timed out during startup" not in str(e) or attempt == _RAY_START_ATTEMPTS:
+                raise
+            logger.warning("Ray's local node timed out during start-up (attempt %d); starting it again", attempt)
+            ray.shutdown()
 
 
 def init(address: str | None = None, **ray_init_kwargs: Any) -> None:
@@ -54,7 +78,7 @@ def init(address: str | None = None, **ray_init_kwargs: Any) -> None:
     from tensorwire.transport import agent as agent_module
 
     if not ray.is_initialized():
-        ray.init(address=address, **ray_init_kwargs)
+        _start_ray(ray, address, ray_init_kwargs)
     existing = agent_module._agent
     expected_node_id = os.environ.get("TENSORWIRE_NODE_ID") or ray.get_runtime_context().get_node_id()
     if existing is not None and existing.peer.node_id != expected_node_id:
