@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tensorwire.bench.runner import _compare, format_table, make_row
+from tensorwire.bench.runner import SCENARIOS, _compare, format_table, make_row
 from tensorwire.bench.schema import SCHEMA_VERSION, Row, document, validate
 from tensorwire.bench.stats import bus_bandwidth, fit_latency_bandwidth, gbps, parse_size, percentile, sizes, summarize
 
@@ -142,7 +142,9 @@ def test_bench_smoke_every_scenario_tiny_sizes_checked(tmp_path):
     doc = json.loads(out.read_text())
     assert validate(doc) == []
     rows = doc["rows"]
-    assert {r["scenario"] for r in rows} == {"p2p-processes", "many-tensors", "concurrent", "p2p-actors", "one-to-n"}
+    assert {r["scenario"] for r in rows} == set(SCENARIOS)
+    sharded = {r["method"] for r in rows if r["scenario"] == "sharded-sync"}
+    assert sharded == {"tensorwire WeightSync", "gather on trainer 0, push whole", "Ray object store"}
     assert all(r["wrong"] == 0 for r in rows)  # every byte checked, none wrong
     methods = {r["method"] for r in rows}
     for baseline in (

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 import torch
 
-from tensorwire.errors import PeerLostError, TransferAbortedError, TransferTimeoutError, TransportError
+from tensorwire.errors import OwnerDiedError, PeerLostError, TransferAbortedError, TransferTimeoutError, TransportError
 from tensorwire.transport.base import FetchRequest, PeerInfo, StoredObject, Transport
 from tensorwire.transport.control import RequestError
 from tensorwire.transport.packing import byte_view, message_plan
@@ -66,6 +66,7 @@ class Connection:
     state: Any
     scope: str = ""  # what else the connection is for (nccl: the pair of GPUs)
     lock: threading.Lock = field(default_factory=threading.Lock)  # serialises transfers where needed
+    closed: bool = False  # set once dropped: transfers still waiting on it try a new connection
 
 
 class _Reconnect(Exception):
@@ -157,6 +158,11 @@ class TwoSidedTransport(Transport):
     def prepare_recv(self, buffers: Sequence[torch.Tensor]) -> None:
         """Consumer: make earlier device work on the receive buffers finish first (CUDA)."""
 
+    def peer_died_mid_transfer(self, connection: Connection) -> None:
+        """Either side: the peer of ``connection`` died while a transfer with it was in flight
+        (after the connection was dropped). Transports whose other connections a half-done
+        transfer can spoil reset them here (ucx). Must not raise."""
+
     # ------------------------------------------------------------------ connections
 
     def check_alive(self, peer: PeerInfo, what: str) -> None:
@@ -205,6 +211,15 @@ class TwoSidedTransport(Transport):
         if dropped:
             logger.debug("%s: dropped connection with agent %s", self.name, connection.peer.agent_id)
             self.close_connection(connection)
+        connection.closed = True
+
+    def _take_connections(self) -> list[Connection]:
+        """Remove every connection (both directions) without closing them."""
+        with self._lock:
+            connections = [*self._outgoing.values(), *self._incoming.values()]
+            self._outgoing.clear()
+            self._incoming.clear()
+        return connections
 
     def forget_peer(self, agent_id: str) -> None:
         with self._lock:
@@ -223,10 +238,9 @@ class TwoSidedTransport(Transport):
 
     def close(self) -> None:
         self._completions.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            connections = [*self._outgoing.values(), *self._incoming.values()]
-        for connection in connections:
-            self._drop(connection)
+        for connection in self._take_connections():
+            self.close_connection(connection)
+            connection.closed = True
 
     # ------------------------------------------------------------------ messages
 
@@ -303,14 +317,22 @@ class TwoSidedTransport(Transport):
         deadline_ms = int(request.remaining_s() * 1000)
         params = _PARAMS.pack(connection.key, tags[0] >> _TAG_SHIFT if tags else 0, deadline_ms)
         what = f"{self.name} transfer of object {request.object_id.hex()} from agent {request.owner.agent_id}"
+
+        def check() -> None:
+            self.context.check_owner(request)
+            if connection.closed:  # dropped under us (by another transfer, or a reset): try anew
+                raise _Reconnect
+
         try:
             answer = list(self.context.open_stream(request, self.name, params))
             if answer != [_POSTED]:
                 raise TransferAbortedError(f"{what}: the owner did not post its sends")
-            posted.wait(request.deadline, lambda: self.context.check_owner(request), what)
+            posted.wait(request.deadline, check, what)
         except BaseException as e:
             posted.abort()
             self._drop(connection)
+            if isinstance(e, (OwnerDiedError, PeerLostError)):
+                self.peer_died_mid_transfer(connection)
             if isinstance(e, TransportError) and _UNKNOWN_CONNECTION in str(e):
                 logger.debug("%s: the owner no longer knows the connection; reconnecting", what)
                 raise _Reconnect from None
@@ -351,9 +373,17 @@ class TwoSidedTransport(Transport):
         """Producer, on a completion thread: wait for posted sends; drop the connection if
         they fail or outlive the consumer's deadline (the consumer then reconnects)."""
         what = f"{self.name} send to agent {connection.peer.agent_id}"
+
+        def check() -> None:
+            self.check_alive(connection.peer, what)
+            if connection.closed:
+                raise TransferAbortedError(f"{what}: the connection was dropped")
+
         try:
-            posted.wait(deadline, lambda: self.check_alive(connection.peer, what), what)
+            posted.wait(deadline, check, what)
         except Exception as e:  # noqa: BLE001 - reported, and the connection is dropped
             logger.info("%s failed: %s", what, e)
             posted.abort()
             self._drop(connection)
+            if isinstance(e, PeerLostError):
+                self.peer_died_mid_transfer(connection)

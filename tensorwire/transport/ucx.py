@@ -236,6 +236,34 @@ class UcxTransport(TwoSidedTransport):
         except Exception:
             logger.debug("ucx endpoint close failed", exc_info=True)
 
+    def peer_died_mid_transfer(self, connection: Connection) -> None:
+        """Retire this process's UCX worker: the next transfer starts a fresh one.
+
+        UCX's shared-memory transports (posix, sysv) pass messages through a queue in the
+        receiver's memory that senders fill in place. A peer killed in the middle of filling
+        a slot leaves it unfinished for ever, and every later message to this worker, from any
+        peer, waits behind it (seen: a consumer whose producer was killed mid-transfer then
+        received from no one). So every connection is dropped (transfers waiting on one
+        reconnect; peers find the connection unknown and reconnect) and the old worker's
+        progress thread is stopped before those transfers retry.
+        """
+        with self._worker_lock:
+            worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        connections = self._take_connections()
+        for other in connections:
+            self.close_connection(other)
+        stopped = worker.close(timeout_s=CLOSE_TIMEOUT_S)
+        for other in connections:
+            other.closed = True
+        logger.warning(
+            "ucx: agent %s died during a transfer; started over with a new UCX worker (%d other connection(s) dropped%s)",
+            connection.peer.agent_id,
+            len(connections),
+            "" if stopped else "; the old progress thread did not stop and is left behind",
+        )
+
     def prepare_send(self, buffers: Sequence[torch.Tensor]) -> None:
         _synchronize(buffers)  # UCX reads device memory outside any stream
 

@@ -82,7 +82,8 @@ _CMA_ABORT = (
 def test_producer_killed_mid_transfer(variant):
     """The producer is frozen, then killed, while its bytes are provably arriving; the consumer
     (a third process, watched through a shared receive buffer) gets an error, not a hang, and
-    still transfers with a surviving producer."""
+    still transfers with a surviving producer it was connected to (ucx: a killed sender can
+    leave UCX's shared-memory queue of the consumer's worker stuck, so the worker is renewed)."""
     tls = {"tcp": {"UCX_TLS": "tcp,self"}, "cma": {"UCX_TLS": "cma,tcp,self"}}
     transport, env = variant.split("-")[0], tls.get(variant.partition("-")[2], {})
     producer = Worker(env={**env, "TENSORWIRE_NODE_ID": "two-sided-owner"})
@@ -91,6 +92,8 @@ def test_producer_killed_mid_transfer(variant):
     try:
         warm, expected = producer.call("tests.helpers.tasks:put_and_return", 1 << 20)
         assert consumer.call("tests.helpers.tasks:get_digest", warm, transport=transport) == expected  # connected
+        ref1, expected1 = survivor.call("tests.helpers.tasks:put_and_return", 1 << 20, seed=2)
+        assert consumer.call("tests.helpers.tasks:get_digest", ref1, transport=transport) == expected1
         ref = producer.call("tests.helpers.tasks:put_filled", _BIG, _FILL)
         with SharedBuffer(_BIG) as out:
             consumer.send("tests.helpers.tasks:get_into_file", out.path, ref, transport=transport, timeout_s=60)
