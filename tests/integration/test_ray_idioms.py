@@ -84,11 +84,16 @@ def test_ray_get_wait_cancel_kill_on_tensorwire_objects(echo, ray_local):
     assert isinstance(value, torch.Tensor) and value.sum().item() == 5 * 400_000
     assert tw.stats()["recent"][-1].transport in ("shm", "host", "ucx", "gloo")
     assert [v.sum().item() for v in ray.get([ref, echo.make.remote(10, 1)])] == [5 * 400_000, 10]
-    ready, not_ready = ray.wait([ref, echo.slow.remote(30, 4)], num_returns=1, timeout=30)
-    assert ready == [ref] and len(not_ready) == 1
-    ray.cancel(not_ready[0])
-    with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
-        tw.get(not_ready[0], timeout_s=60)
+    victim = Echo.options(max_concurrency=1).remote()  # one call at a time
+    assert isinstance(victim, ray.actor.ActorHandle)
+    ray.get(victim.pid.remote())
+    busy = victim.slow.remote(120, 4)  # runs until the kill below: the next call stays queued
+    ready, not_ready = ray.wait([ref, busy], num_returns=1, timeout=30)
+    assert ready == [ref] and not_ready == [busy]
+    queued = victim.slow.remote(0, 4)
+    ray.cancel(queued)  # a queued actor task is cancelled (a running one would not be: Ray's rule)
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        tw.get(queued, timeout_s=60)
 
     @tw.remote(num_cpus=0)
     def task(n: int):
@@ -96,9 +101,6 @@ def test_ray_get_wait_cancel_kill_on_tensorwire_objects(echo, ray_local):
 
     assert ray.get(task.remote(1000)).sum().item() == 4000  # a task's result through ray.get
 
-    victim = Echo.remote()
-    assert isinstance(victim, ray.actor.ActorHandle)
-    ray.get(victim.pid.remote())
     ray.kill(victim)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(victim.pid.remote(), timeout=60)
