@@ -218,7 +218,7 @@ class TorchGroup(Group):
         store_name = f"{name}/store"
         store = ControlStore(agent, others, store_name, timeout_s)
         try:
-            if backend is Backend.GLOO:
+            if self.backend is Backend.GLOO:
                 options = dist.ProcessGroupGloo._Options()
                 options._devices = [dist.ProcessGroupGloo.create_device(hostname=agent.config.host)]
                 options._timeout = datetime.timedelta(seconds=timeout_s)

@@ -250,9 +250,10 @@ class WeightSync:
         for table in (self._layouts, self._descriptions):
             table.pop(rid, None)
         if rid not in self._dead:
+            # died or late: nothing left to free there (passed over); the hook itself failing is raised
             outcome = calls.settle(call_hook(actor, sync_hooks.release, self._id), timeout_s=timeout_s)
             if outcome.failure is calls.CallFailure.FAILED and outcome.error is not None:
-                raise outcome.error  # died or late: nothing left to free there
+                raise outcome.error
         self._dead.discard(rid)
 
     def _id_of(self, actor: ActorHandle) -> int:

@@ -73,7 +73,7 @@ def settle(ref: Any, *, timeout_s: float) -> Outcome:
         return Outcome(failure=CallFailure.ACTOR_DIED, error=e)
     except ray.exceptions.GetTimeoutError as e:
         return Outcome(failure=CallFailure.TIMED_OUT, error=e)
-    except ray.exceptions.RayTaskError as e:
+    except ray.exceptions.RayError as e:  # the call raised (RayTaskError), or its result was lost
         return Outcome(failure=CallFailure.FAILED, error=e)
 
 
