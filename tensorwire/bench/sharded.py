@@ -40,6 +40,7 @@ _TIMEOUT_S = 600.0
 def _gather(refs: list[Any]) -> list[Any]:
     return calls.gather(refs, timeout_s=_TIMEOUT_S)
 
+
 HIDDEN, FFN = 1024, 2816
 TRAINERS, REPLICAS, TP = 2, 2, 2
 _PARTS = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, HIDDEN), "v": (HIDDEN, HIDDEN), "o": (HIDDEN, HIDDEN),
