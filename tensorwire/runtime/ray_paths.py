@@ -8,6 +8,7 @@ imported in the runtime only.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +37,12 @@ def rdt_actor_class(cls: type, methods: dict[str, tuple[Callable[..., Any], str]
     (function, the tensor transport its result travels by)."""
     import ray
 
-    namespace = {name: ray.method(tensor_transport=transport)(fn) for name, (fn, transport) in methods.items()}
+    namespace: dict[str, Any] = {}
+    for name, (fn, transport) in methods.items():
+        # a fresh function per method: ray.method marks the function object it is given
+        copy = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+        copy.__qualname__ = f"{cls.__qualname__}.{name}"
+        namespace[name] = ray.method(tensor_transport=transport)(copy)
     namespace["__module__"] = cls.__module__
     subclass = type(cls.__name__, (cls,), namespace)
     return ray.remote(enable_tensor_transport=True, **options)(subclass)
