@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         if not report.ok:
             print(f"weight sync failed: {report.failed}", file=sys.stderr)
             return 1
-        transports = sorted({t for r in report.receivers.values() for t in r["transports"]})
+        transports = sorted({t for r in report.receivers.values() for t in r.transports})
         rewards.append(stats["reward"])
         print(
             f"{iteration:>4} {stats['reward']:>7.1f} {stats['min']:>5.0f} {stats['max']:>5.0f} "

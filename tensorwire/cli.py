@@ -27,19 +27,11 @@ def _node_report() -> dict[str, Any]:
 
 def _cluster_reports(address: str) -> list[dict[str, Any]]:
     """One report per alive Ray node, each gathered by a short-lived task pinned to that node."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     import tensorwire as tw
+    from tensorwire.runtime import calls
 
     tw.init(address=address)
-    task = ray.remote(num_cpus=0)(_node_report)
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    refs = [
-        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
-        for n in nodes
-    ]
-    return ray.get(refs, timeout=120)
+    return calls.on_every_node(_node_report, timeout_s=120)
 
 
 def _gib(nbytes: object) -> str:
@@ -90,17 +82,15 @@ def _print_report(report: dict[str, Any]) -> None:
     print("  transports: " + ", ".join(f"{k} ({v})" for k, v in report["transports"].items()))
 
 
-def _doctor() -> list[tuple[str, str, str]]:
-    """End-to-end checks with real transfers between this process and local peer processes."""
-    import hashlib
-
+def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
+    """End-to-end checks with real transfers between this process and local peer processes
+    (``progress``: a bar on stderr, one step per transport)."""
     import torch
 
-    import tensorwire as tw
-    from tensorwire.peers import OTHER_NODE, ask, consumer_device, digest_of_fetch, peers
+    from tensorwire.peers import digest_of_fetch, peers
+    from tensorwire.progress import ProgressBar
     from tensorwire.runtime.ray_env import agent as runtime_agent
     from tensorwire.transport import registry
-    from tensorwire.transport.base import MemoryKind
     from tensorwire.transport.topology import describe_node
 
     results: list[tuple[str, str, str]] = []
@@ -123,39 +113,62 @@ def _doctor() -> list[tuple[str, str, str]]:
     agent = runtime_agent()
     large = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
     small = large[:1024].clone()  # inline carries only small values
-    digests = {id(v): hashlib.sha256(v.numpy().tobytes()).hexdigest() for v in (large, small)}
-    with peers(digest_of_fetch, agent.peer.node_id, "doctor") as connections:
-        for name in registry.registered_transports():
-            caps = registry.get_transport_class(name).capabilities
-            if name in agent.unusable_transports():
-                # Missing hardware or an optional library is a warning; a broken plug-in fails.
-                reason = agent.unusable_transports()[name]
-                results.append((f"transport {name}", "fail" if "failed to load" in reason else "warn", reason))
-                continue
-            value = small if name == "inline" else large
-            expected = digests[id(value)]
-            if MemoryKind.HOST not in caps.memory:  # a GPU-only transport moves a GPU copy
-                value = value.cuda(0)
-            device, missing = consumer_device(caps)  # NCCL: the peer receives on another GPU
-            if missing:
-                results.append((f"transport {name}", "warn", missing))
-                continue
-            size = f"{value.numel() // 1024} KiB"
-            if caps.same_process:
-                got = tw.get(tw.put(value), transport=name)
-                ok = hashlib.sha256(got.cpu().numpy().tobytes()).hexdigest() == expected
-                results.append((f"transport {name}", "ok" if ok else "fail", f"same process, {size}"))
-                continue
-            for where, conn in connections.items():
-                if where == OTHER_NODE and not caps.cross_node:
-                    continue
-                status, detail = ask(conn, (tw.put(value), name, device), timeout_s=60)
-                if status == "timeout":
-                    status, detail = "fail", f"{where}: {detail}"
-                elif status == "ok" and detail != expected:
-                    status, detail = "fail", "data arrived corrupted"
-                results.append((f"transport {name}", status, f"{where}, {size}" if status == "ok" else detail))
+    names = registry.registered_transports()
+    with (
+        ProgressBar(len(names), desc="doctor", unit="transport", enabled=progress) as bar,
+        peers(digest_of_fetch, agent.peer.node_id, "doctor") as connections,
+    ):
+        for name in names:
+            bar.step(name, 0)  # names the transport being checked
+            results.extend(_check_transport(name, agent, connections, large, small))
+            bar.step(name)
     results.extend(_ucx_report(agent))
+    return results
+
+
+def _check_transport(
+    name: str, agent: Any, connections: dict[str, Any], large: Any, small: Any
+) -> list[tuple[str, str, str]]:
+    """``doctor`` for one transport: a real transfer of ``large`` (``small`` for inline) into
+    each peer process it can serve, checked by digest."""
+    import hashlib
+
+    import tensorwire as tw
+    from tensorwire.peers import OTHER_NODE, ask, consumer_device
+    from tensorwire.transport import registry
+    from tensorwire.transport.base import MemoryKind
+
+    results: list[tuple[str, str, str]] = []
+    digests = {id(v): hashlib.sha256(v.numpy().tobytes()).hexdigest() for v in (large, small)}
+    caps = registry.get_transport_class(name).capabilities
+    if name in agent.unusable_transports():
+        # Missing hardware or an optional library is a warning; a broken plug-in fails.
+        reason = agent.unusable_transports()[name]
+        results.append((f"transport {name}", "fail" if "failed to load" in reason else "warn", reason))
+        return results
+    value = small if name == "inline" else large
+    expected = digests[id(value)]
+    if MemoryKind.HOST not in caps.memory:  # a GPU-only transport moves a GPU copy
+        value = value.cuda(0)
+    device, missing = consumer_device(caps)  # NCCL: the peer receives on another GPU
+    if missing:
+        results.append((f"transport {name}", "warn", missing))
+        return results
+    size = f"{value.numel() // 1024} KiB"
+    if caps.same_process:
+        got = tw.get(tw.put(value), transport=name)
+        ok = hashlib.sha256(got.cpu().numpy().tobytes()).hexdigest() == expected
+        results.append((f"transport {name}", "ok" if ok else "fail", f"same process, {size}"))
+        return results
+    for where, conn in connections.items():
+        if where == OTHER_NODE and not caps.cross_node:
+            continue
+        status, detail = ask(conn, (tw.put(value), name, device), timeout_s=60)
+        if status == "timeout":
+            status, detail = "fail", f"{where}: {detail}"
+        elif status == "ok" and detail != expected:
+            status, detail = "fail", "data arrived corrupted"
+        results.append((f"transport {name}", status, f"{where}, {size}" if status == "ok" else detail))
     return results
 
 
@@ -320,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     topo.add_argument("--address", default="", help="a Ray cluster address: report every node of it")
     doctor = commands.add_parser("doctor", help="check every transport with a real transfer; say what to fix")
     doctor.add_argument("--json", action="store_true", help="print JSON")
+    doctor.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bar on stderr (default: when stderr is a terminal)")  # fmt: skip
     bench = commands.add_parser(
         "bench",
         help="transports against the alternatives, same run (nccl-tests style flags); --calibrate for the selector",
@@ -329,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args, list(argv if argv is not None else sys.argv[1:])[1:])
     if args.command == "doctor":
-        results = _doctor()
+        results = _doctor(sys.stderr.isatty() if args.progress is None else args.progress)
         if args.json:
             json.dump([{"check": c, "status": s, "detail": d} for c, s, d in results], sys.stdout, indent=2)
             print()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "DeviceUnavailableError",
+    "InvalidRequestError",
     "LargeReferenceWarning",
     "NoTransportError",
     "ObjectFreedError",
@@ -20,6 +21,7 @@ __all__ = [
     "TransferTimeoutError",
     "TransportError",
     "TransportUnavailableError",
+    "UnknownConnectionError",
     "UnresolvedRefError",
 ]
 
@@ -55,6 +57,16 @@ class TransferAbortedError(TransportError):
 
 class PeerLostError(TransportError):
     """The peer process stopped answering (it may have died or the network failed)."""
+
+
+class InvalidRequestError(TransportError):
+    """A peer's control service refused a request as malformed or not servable there (a
+    transport it does not run, a bad parameter block)."""
+
+
+class UnknownConnectionError(TransportError):
+    """The producer no longer knows the connection a two-sided transfer named (it dropped
+    it after a failure, or restarted its transport); the consumer reconnects."""
 
 
 class ObjectFreedError(TensorwireError):

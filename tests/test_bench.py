@@ -197,9 +197,11 @@ def test_bench_plot_and_progress(tmp_path):
                    "0", "--plot", str(png), "--progress")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    counts = [(int(a), int(b)) for a, b in re.findall(r"\[[#.]{24}\] (\d+)/(\d+) +\d+ s  ", done.stderr)]
-    # per size: memcpy, auto (same node), auto (other node), shm; then bare gloo and bare ucxx
-    assert counts == [(i, 10) for i in range(1, 11)], done.stderr[-800:]
+    drawn = [(int(a), int(b)) for a, b in re.findall(r"bench: +\d+%\|[^|]*\| (\d+)/(\d+) \[", done.stderr)]
+    steps = [c for i, c in enumerate(drawn) if c[0] > 0 and c != drawn[i - 1]]  # the bar at 0, closing redraws: out
+    # per size: memcpy, auto (same node), auto (other node), shm; then bare gloo and bare ucxx: each step drawn
+    assert drawn[0][0] == 0 and steps == [(i, 10) for i in range(1, 11)], done.stderr[-800:]
+    assert "bench:" not in done.stdout  # the bar stays on stderr
 
 
 def test_calibrate_writes_the_table_where_output_says(tmp_path):

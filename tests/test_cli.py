@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -94,21 +95,31 @@ def test_version_comes_from_package_metadata():
     assert run_cli("--version") == f"tensorwire {metadata.version('tensorwire')}\n"
 
 
-def run_doctor(env: dict[str, str] | None = None) -> tuple[int, list[dict[str, str]]]:
-    done = subprocess.run(
-        [sys.executable, "-m", "tensorwire", "doctor", "--json"],
+def _doctor_process(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tensorwire", "doctor", "--json", *args],
         capture_output=True,
         text=True,
         timeout=180,
         env={**os.environ, **(env or {})},
         check=False,
     )
+
+
+def run_doctor(env: dict[str, str] | None = None) -> tuple[int, list[dict[str, str]]]:
+    done = _doctor_process(env=env)
     return done.returncode, json.loads(done.stdout)
 
 
 def test_doctor_checks_every_transport_with_a_real_transfer():
-    code, results = run_doctor()
+    from tensorwire.transport import registry
+
+    done = _doctor_process("--progress")
+    code, results = done.returncode, json.loads(done.stdout)  # the progress bar kept out of the JSON
     assert code == 0, results
+    count = len(registry.registered_transports())
+    drawn = [int(n) for n in re.findall(rf"doctor: +\d+%\|[^|]*\| (\d+)/{count} \[", done.stderr)]
+    assert drawn[0] == 0 and drawn[-1] == count and drawn == sorted(drawn), done.stderr[-600:]
     ok = {r["check"] for r in results if r["status"] == "ok"}
     assert {
         "transport local",

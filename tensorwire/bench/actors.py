@@ -19,16 +19,21 @@ import functools
 import time
 from typing import Any
 
-import ray
 import torch
 
 import tensorwire as tw
 from tensorwire.bench import ops
 from tensorwire.bench.runner import make_row
+from tensorwire.runtime import calls, ray_paths
 
 __all__ = ["run"]
 
 _ZERO_COPY = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
+_TIMEOUT_S = 600.0
+
+
+def _gather(refs: list[Any]) -> list[Any]:
+    return calls.gather(refs, timeout_s=_TIMEOUT_S)
 
 
 class _Node:
@@ -65,10 +70,10 @@ class _Node:
 
     # one-to-N baselines
     def put_state(self) -> list:
-        return [ray.put(self.value)]
+        return ray_paths.put(self.value)
 
     def load_from_store(self, boxed: list) -> int:
-        return self.take(ray.get(boxed[0]))
+        return self.take(ray_paths.take(boxed))
 
     receives = True  # False in the one that broadcasts
 
@@ -90,31 +95,32 @@ class TwNode(_Node):
         return self.value
 
 
-def _rdt_method(transport: str) -> Any:
-    """A method returning the value through Ray's direct transport ``transport``."""
-
-    @ray.method(tensor_transport=transport)
-    def value_rdt(self: _Node) -> dict[str, torch.Tensor]:
-        return self.value
-
-    return value_rdt
-
-
-@ray.remote(num_cpus=0, enable_tensor_transport=True)
-class RayNode(_Node):
+class _RayNode(_Node):
     def value_plain(self) -> dict[str, torch.Tensor]:
         return self.value
 
-    value_rdt = _rdt_method("gloo")
-    # GPU variants (unverified: written for machines with GPUs and Ray; none was available)
-    value_rdt_nccl = _rdt_method("nccl")
-    value_rdt_cuda_ipc = _rdt_method("cuda_ipc")
-    value_rdt_nixl = _rdt_method("nixl")
+
+def _value(self: _Node) -> dict[str, torch.Tensor]:
+    return self.value
+
+
+_ray_node: list[Any] = []
+
+
+def ray_node() -> Any:
+    """The plain Ray actor class of the baselines (made once, when first needed): ``value_plain``
+    through the object store, ``value_rdt*`` through Ray's direct transport."""
+    if not _ray_node:
+        # GPU variants (unverified: written for machines with GPUs and Ray; none was available)
+        methods = {"value_rdt": (_value, "gloo"), "value_rdt_nccl": (_value, "nccl"),
+                   "value_rdt_cuda_ipc": (_value, "cuda_ipc"), "value_rdt_nixl": (_value, "nixl")}  # fmt: skip
+        _ray_node.append(ray_paths.rdt_actor_class(_RayNode, methods, num_cpus=0))
+    return _ray_node[0]
 
 
 def _hand_over(source: Any, consumer: Any, method: str) -> None:
     """One round: call ``source.method``, pass its result to ``consumer.take``, wait."""
-    ray.get(consumer.take.remote(getattr(source, method).remote()))
+    _gather([consumer.take.remote(getattr(source, method).remote())])
 
 
 class _Plan:
@@ -126,10 +132,10 @@ class _Plan:
         self.wrong = 0
 
     def prepare(self, nbytes: int, tensors: int, seed: int) -> None:
-        ray.get([self.source.repattern.remote(nbytes, tensors, seed), *(c.clear.remote() for c in self.consumers)])
+        _gather([self.source.repattern.remote(nbytes, tensors, seed), *(c.clear.remote() for c in self.consumers)])
 
     def verify(self, nbytes: int, tensors: int, seed: int) -> bool:
-        return all(ray.get([c.verify.remote(nbytes, tensors, seed) for c in self.consumers]))
+        return all(_gather([c.verify.remote(nbytes, tensors, seed) for c in self.consumers]))
 
 
 def _interleaved(plans: dict[str, _Plan], nbytes: int, tensors: int, options: Any) -> dict[str, dict]:
@@ -169,7 +175,7 @@ def _measure(
 
 
 def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
-    started_ray = not ray.is_initialized()
+    started_ray = not calls.is_initialized()
     tw.init(include_dashboard=False, num_cpus=max(4, options.peers + 2))
     rows = []
     try:
@@ -180,26 +186,25 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
             rows += _one_to_n(options, progress)
     finally:
         if started_ray:
-            ray.shutdown()
+            calls.shutdown()
     return rows
 
 
 def _p2p(options: Any, progress: Any, notes: list[str]) -> list[Any]:
-    from ray.experimental.collective import create_collective_group
-
+    node = ray_node()
     tw_src, tw_dst = TwNode.remote(), TwNode.remote()
-    ray_src, ray_dst = RayNode.remote(), RayNode.remote()
-    zc_src, zc_dst = RayNode.options(runtime_env=_ZERO_COPY).remote(), RayNode.options(runtime_env=_ZERO_COPY).remote()
+    ray_src, ray_dst = node.remote(), node.remote()
+    zc_src, zc_dst = node.options(runtime_env=_ZERO_COPY).remote(), node.options(runtime_env=_ZERO_COPY).remote()
     rdt = True
     try:
-        create_collective_group([ray_src, ray_dst], backend="torch_gloo")
+        ray_paths.create_rdt_group([ray_src, ray_dst], backend="torch_gloo")
     except Exception as e:  # noqa: BLE001 - reported, the rest still runs
         rdt = False
         notes.append(f"Ray direct transport: could not make its gloo group ({e})")
     rows = []
     for nbytes in options.sizes:
         nodes = [tw_src, tw_dst, ray_src, ray_dst, zc_src, zc_dst]
-        ray.get([n.set.remote(nbytes, 1) for n in nodes])
+        _gather([n.set.remote(nbytes, 1) for n in nodes])
         plans = {
             "tensorwire (@tw.method ref)": _Plan(functools.partial(_hand_over, tw_src, tw_dst, "value_ref"), tw_src,
                                                  [tw_dst], False),
@@ -220,7 +225,7 @@ def _gpu_plans(notes: list[str]) -> list[tuple[str, str, float, str]]:
     """(RDT transport, its method, GPUs per actor, collective backend or "") that fit here."""
     import importlib.util
 
-    gpus = ray.cluster_resources().get("GPU", 0)
+    gpus = ray_paths.cluster_gpus()
     if gpus < 1:
         notes.append("GPU actor baselines (Ray RDT over nccl / cuda_ipc / nixl): no GPU in the Ray cluster")
         return []
@@ -239,16 +244,15 @@ def _gpu_plans(notes: list[str]) -> list[tuple[str, str, float, str]]:
 def _p2p_gpu(options: Any, notes: list[str]) -> list[Any]:
     """GPU tensors actor to actor: tensorwire against Ray's direct transport over each GPU
     transport that fits the cluster. Unverified: no GPU machine with Ray was available."""
-    from ray.experimental.collective import create_collective_group
-
+    node = ray_node()
     rows = []
     for rdt, method_name, gpus, backend in _gpu_plans(notes):
         tw_src, tw_dst = TwNode.options(num_gpus=gpus).remote(), TwNode.options(num_gpus=gpus).remote()
-        ray_src, ray_dst = RayNode.options(num_gpus=gpus).remote(), RayNode.options(num_gpus=gpus).remote()
+        ray_src, ray_dst = node.options(num_gpus=gpus).remote(), node.options(num_gpus=gpus).remote()
         if backend:
-            create_collective_group([ray_src, ray_dst], backend=backend)
+            ray_paths.create_rdt_group([ray_src, ray_dst], backend=backend)
         for nbytes in options.sizes:
-            ray.get([n.set.remote(nbytes, 1, "cuda") for n in (tw_src, tw_dst, ray_src, ray_dst)])
+            _gather([n.set.remote(nbytes, 1, "cuda") for n in (tw_src, tw_dst, ray_src, ray_dst)])
             plans = {
                 f"tensorwire GPU ({rdt} placement)": _Plan(functools.partial(_hand_over, tw_src, tw_dst, "value_ref"),
                                                            tw_src, [tw_dst], False),
@@ -257,10 +261,8 @@ def _p2p_gpu(options: Any, notes: list[str]) -> list[Any]:
             }  # fmt: skip
             rows += _measure(f"p2p-actors-gpu-{rdt}", plans, nbytes, options,
                              reason="GPU actor -> GPU actor, unverified path")  # fmt: skip
-        for actor in (tw_src, tw_dst):
-            ray.kill(actor.ray_handle)
-        for actor in (ray_src, ray_dst):
-            ray.kill(actor)
+        for actor in (tw_src, tw_dst, ray_src, ray_dst):
+            ray_paths.kill(actor)
     return rows
 
 
@@ -269,24 +271,24 @@ def _one_to_n(options: Any, progress: Any) -> list[Any]:
     source = TwNode.remote()
     receivers = [TwNode.remote() for _ in range(n)]
     everyone = [source, *receivers]
-    ray.get(source.be_source.remote())
+    _gather([source.be_source.remote()])
     tw.collective.create_group(everyone, backend="gloo", name="tw-bench")
     rows = []
     try:
         for nbytes in options.sizes:
             tensors = 8 if nbytes >= 8 * 4096 else 1
-            ray.get([a.set.remote(nbytes, tensors) for a in everyone])
+            _gather([a.set.remote(nbytes, tensors) for a in everyone])
             sync = tw.WeightSync(source, receivers, source="value", target="buffers", progress=False)
 
             def store() -> None:
-                boxed = ray.get(source.put_state.remote())
-                ray.get([r.load_from_store.remote(boxed) for r in receivers])
+                (boxed,) = _gather([source.put_state.remote()])
+                _gather([r.load_from_store.remote(boxed) for r in receivers])
 
             plans = {
                 "tensorwire WeightSync": _Plan(lambda s=sync: _ok(s.push()), source, receivers, False),
                 "Ray object store (put once, N gets)": _Plan(store, source, receivers, True),
                 "torch.distributed gloo broadcast": _Plan(
-                    lambda: ray.get([a.broadcast_all.remote("tw-bench") for a in everyone]), source, receivers, True),
+                    lambda: _gather([a.broadcast_all.remote("tw-bench") for a in everyone]), source, receivers, True),
             }  # fmt: skip
             for method, result in _interleaved(plans, nbytes, tensors, options).items():
                 baseline = plans[method].baseline

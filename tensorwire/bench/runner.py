@@ -37,9 +37,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +46,7 @@ from tensorwire.bench import ops
 from tensorwire.bench.schema import Fit, Row, document, validate
 from tensorwire.bench.stats import bus_bandwidth, fit_latency_bandwidth, gbps, summarize
 from tensorwire.bench.table import format_table, plot
+from tensorwire.progress import ProgressBar
 
 __all__ = ["SCENARIOS", "Options", "format_table", "make_row", "run", "write_outputs"]
 
@@ -71,29 +70,6 @@ class Options:
     scenarios: tuple[str, ...] = SCENARIOS
     progress: bool = False
     sizes: list[int] = field(default_factory=list)
-
-
-class Progress:
-    """A one-line progress bar on stderr (only when enabled)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-        self.started = time.monotonic()
-
-    def step(self, what: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        width = 24
-        filled = min(width, width * self.done // max(self.total, 1))
-        elapsed = time.monotonic() - self.started
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:5.0f} s  "
-                         f"{what[:60]:60}")  # fmt: skip
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
 
 
 def make_row(
@@ -208,7 +184,7 @@ def _value(nbytes: int, tensors: int, cuda: bool) -> Any:
     return value
 
 
-def _process_scenarios(options: Options, progress: Progress, notes: list[str]) -> list[Row]:
+def _process_scenarios(options: Options, progress: ProgressBar, notes: list[str]) -> list[Row]:
     import tensorwire as tw
     from tensorwire.peers import spawn
     from tensorwire.runtime.ray_env import agent as runtime_agent
@@ -313,7 +289,7 @@ def _process_scenarios(options: Options, progress: Progress, notes: list[str]) -
 # ---------------------------------------------------------------------- Ray scenarios
 
 
-def _ray_scenarios(options: Options, progress: Progress, notes: list[str]) -> list[Row]:
+def _ray_scenarios(options: Options, progress: ProgressBar, notes: list[str]) -> list[Row]:
     from tensorwire.bench import actors
 
     return actors.run(options, progress, notes)
@@ -365,7 +341,7 @@ def _steps(options: Options) -> int:
 def run(options: Options, progress_enabled: bool = False) -> tuple[list[Row], list[Fit], list[str]]:
     """Every requested scenario; (rows, latency/bandwidth fits, notes on what was skipped)."""
     notes: list[str] = []
-    progress = Progress(_steps(options), progress_enabled)
+    progress = ProgressBar(_steps(options), desc="bench", unit="step", enabled=progress_enabled)
     rows: list[Row] = []
     try:
         if set(options.scenarios) & {"p2p-processes", "many-tensors", "concurrent"}:

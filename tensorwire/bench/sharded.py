@@ -24,15 +24,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import ray
 import torch
 
 import tensorwire as tw
 from tensorwire.collectives.fanout import checksum
 from tensorwire.collectives.layout import Replicate, Shard, Sharded, placement_box
 from tensorwire.collectives.plan import Fuse, plan_sync
+from tensorwire.runtime import calls, ray_paths
 
 __all__ = ["HIDDEN", "Bench", "run"]
+
+_TIMEOUT_S = 600.0
+
+
+def _gather(refs: list[Any]) -> list[Any]:
+    return calls.gather(refs, timeout_s=_TIMEOUT_S)
+
 
 HIDDEN, FFN = 1024, 2816
 TRAINERS, REPLICAS, TP = 2, 2, 2
@@ -139,10 +146,10 @@ class ShardedRank:
 
     # Ray's object store
     def put_shard(self) -> list[Any]:
-        return [ray.put({n: p.tensor for n, p in self.pieces.items()})]
+        return ray_paths.put({n: p.tensor for n, p in self.pieces.items()})
 
     def load_shards(self, boxes: list[list[Any]]) -> None:
-        shards = [ray.get(box[0]) for box in boxes]
+        shards = [ray_paths.take(box) for box in boxes]
         for trainer, source, src, target, dst in self._cuts:
             self.pieces[target].tensor[dst].copy_(shards[trainer][source][src])
 
@@ -201,24 +208,24 @@ class Bench:
                 raise RuntimeError(f"weight sync failed: {report.failed}")
 
         def gather() -> None:
-            ray.get([t.gather_push.remote(order, i) for i, t in enumerate(self.trainers)]
+            _gather([t.gather_push.remote(order, i) for i, t in enumerate(self.trainers)]
                     + [r.gather_push.remote(order, None) for r in self.receivers])  # fmt: skip
 
         def store() -> None:
-            boxes = ray.get([t.put_shard.remote() for t in self.trainers])
-            ray.get([r.load_shards.remote(boxes) for r in self.receivers])
+            boxes = _gather([t.put_shard.remote() for t in self.trainers])
+            _gather([r.load_shards.remote(boxes) for r in self.receivers])
 
         return {"tensorwire WeightSync": (push, False), "gather on trainer 0, push whole": (gather, True),
                 "Ray object store": (store, True)}  # fmt: skip
 
     def prepare(self, method: str) -> None:
         cuts = self._whole_cuts if method.startswith("gather") else self._object_cuts
-        ray.get([r.set_cuts.remote(cuts[i]) for i, r in enumerate(self.receivers)])
-        ray.get([r.clear.remote() for r in self.receivers])
+        _gather([r.set_cuts.remote(cuts[i]) for i, r in enumerate(self.receivers)])
+        _gather([r.clear.remote() for r in self.receivers])
 
     def right(self) -> bool:
         """Every receiver holds what tensorwire's first push left there."""
-        got = ray.get([r.digest.remote() for r in self.receivers])
+        got = _gather([r.digest.remote() for r in self.receivers])
         if not self.expected:
             self.expected = got
         return got == self.expected
@@ -253,7 +260,7 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     """``tensorwire bench`` scenario ``sharded-sync``: a model of ``--max-bytes``."""
     from tensorwire.bench.runner import make_row
 
-    started = not ray.is_initialized()
+    started = not calls.is_initialized()
     tw.init(include_dashboard=False, num_cpus=8)
     rows = []
     try:
@@ -274,5 +281,5 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
             bench.close()
     finally:
         if started:
-            ray.shutdown()
+            calls.shutdown()
     return rows

@@ -8,7 +8,7 @@ Weight sync: ``tw.WeightSync(trainers, receivers, ...)``; pieces described with 
 """
 
 from tensorwire.collectives.api import GroupInfo, create_group, destroy_group
-from tensorwire.collectives.group import BACKENDS, Group, get_group, group_names
+from tensorwire.collectives.group import BACKENDS, Backend, Group, ReduceOp, get_group, group_names
 from tensorwire.collectives.layout import Box, HeldParam, Replicate, Shard, Sharded
 from tensorwire.collectives.plan import Fuse, Mapping, Plan, plan_sync
 from tensorwire.collectives.sync_hooks import weight_fence
@@ -16,6 +16,7 @@ from tensorwire.collectives.weight_sync import SyncReport, WeightSync, weight_ve
 
 __all__ = [
     "BACKENDS",
+    "Backend",
     "Box",
     "Fuse",
     "Group",
@@ -23,6 +24,7 @@ __all__ = [
     "HeldParam",
     "Mapping",
     "Plan",
+    "ReduceOp",
     "Replicate",
     "Shard",
     "Sharded",

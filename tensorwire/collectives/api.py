@@ -10,10 +10,12 @@ import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from tensorwire.collectives.group import BACKENDS
-from tensorwire.runtime.actor import HOOK_METHOD, ActorHandle
+from tensorwire.collectives import channel, group
+from tensorwire.collectives.group import BACKENDS, Backend
+from tensorwire.runtime import calls
+from tensorwire.runtime.actor import ActorHandle
+from tensorwire.runtime.hooks import call_hook
 
 __all__ = ["GroupInfo", "call_hook", "check_actors", "create_group", "describe_actors", "destroy_group"]
 
@@ -27,7 +29,7 @@ class GroupInfo:
     """A group as the driver made it; ``destroy()`` makes every live member leave."""
 
     name: str
-    backend: str
+    backend: Backend
     actors: tuple[ActorHandle, ...]
 
     @property
@@ -38,11 +40,6 @@ class GroupInfo:
         return destroy_group(self.name, timeout_s=timeout_s)
 
 
-def call_hook(actor: ActorHandle, function: str, *args: Any, **kwargs: Any) -> Any:
-    """Call ``tensorwire.collectives.<function>`` in ``actor``; returns Ray's ``ObjectRef``."""
-    return getattr(actor.ray_handle, HOOK_METHOD).remote(f"tensorwire.collectives.{function}", *args, **kwargs)
-
-
 def check_actors(actors: Sequence[ActorHandle], what: str) -> tuple[ActorHandle, ...]:
     """``actors`` as a tuple; ``TypeError`` for anything not made with ``@tw.remote``,
     ``ValueError`` for an actor given twice (``what`` names the caller)."""
@@ -50,28 +47,26 @@ def check_actors(actors: Sequence[ActorHandle], what: str) -> tuple[ActorHandle,
     for actor in actors:
         if not isinstance(actor, ActorHandle):
             raise TypeError(f"{what} takes actors made with @tw.remote, got {type(actor).__name__}")
-    ids = [a.ray_handle._actor_id for a in actors]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{what}: an actor appears twice")
+    for i, actor in enumerate(actors):
+        if any(calls.same_actor(actor, other) for other in actors[:i]):
+            raise ValueError(f"{what}: an actor appears twice")
     return actors
 
 
 def describe_actors(actors: Sequence[ActorHandle], timeout_s: float) -> list[tuple[bytes, int]]:
     """Each actor's agent (``Peer`` bytes) and GPU count, asked concurrently."""
-    import ray
-
-    refs = [call_hook(actor, "channel.describe_self") for actor in actors]
-    return list(ray.get(refs, timeout=timeout_s))
+    refs = [call_hook(actor, channel.describe_self) for actor in actors]
+    return calls.gather(refs, timeout_s=timeout_s)
 
 
-def _auto_backend(descriptions: Sequence[tuple[bytes, int]]) -> str:
+def _auto_backend(descriptions: Sequence[tuple[bytes, int]]) -> Backend:
     """nccl when every member sees a GPU (where NCCL serves best), else gloo."""
-    return "nccl" if all(gpus > 0 for _, gpus in descriptions) else "gloo"
+    return Backend.NCCL if all(gpus > 0 for _, gpus in descriptions) else Backend.GLOO
 
 
 def create_group(
     actors: Sequence[ActorHandle],
-    backend: str = "auto",
+    backend: Backend | str = "auto",
     name: str = "default",
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -90,12 +85,10 @@ def create_group(
         TypeError: Something other than tensorwire actors.
         ray.exceptions.GetTimeoutError / RayActorError: A member did not join.
     """
-    import ray
-
     actors = check_actors(actors, "create_group")
     if not actors:
         raise ValueError("create_group needs at least one actor")
-    if backend not in ("auto", *BACKENDS):
+    if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use auto, {', '.join(BACKENDS)}")
     if not isinstance(name, str) or not name or len(name) > 100:
         raise ValueError("a group name is a non-empty string of at most 100 characters")
@@ -104,16 +97,16 @@ def create_group(
     with _created_lock:
         if name in _created:
             raise ValueError(f"group {name!r} exists; destroy_group({name!r}) first")
-        _created[name] = GroupInfo(name, backend, actors)  # reserved while it forms
+        _created[name] = GroupInfo(name, Backend.GLOO, actors)  # reserved while it forms
     try:
         descriptions = describe_actors(actors, timeout_s)
-        chosen = _auto_backend(descriptions) if backend == "auto" else backend
-        channel = f"tw-group-{name}-{secrets.token_hex(6)}"  # messages of a re-made group never mix
+        chosen = _auto_backend(descriptions) if backend == "auto" else Backend(backend)
+        channel_name = f"tw-group-{name}-{secrets.token_hex(6)}"  # messages of a re-made group never mix
         refs = [
-            call_hook(actor, "group.join", name, channel, rank, descriptions, chosen, timeout_s)
+            call_hook(actor, group.join, name, channel_name, rank, descriptions, chosen, timeout_s)
             for rank, actor in enumerate(actors)
         ]
-        ray.get(refs, timeout=timeout_s + 5.0)
+        calls.gather(refs, timeout_s=timeout_s + 5.0)
     except BaseException:
         _leave_all(name, actors, timeout_s=10.0)
         with _created_lock:
@@ -127,15 +120,14 @@ def create_group(
 
 def _leave_all(name: str, actors: Sequence[ActorHandle], *, timeout_s: float) -> list[int]:
     """Ask every actor to leave ``name``; the ranks that could not be asked (dead)."""
-    import ray
-
-    refs = [call_hook(actor, "group.leave", name) for actor in actors]
+    refs = [call_hook(actor, group.leave, name) for actor in actors]
     unreachable = []
     for rank, ref in enumerate(refs):
-        try:
-            ray.get(ref, timeout=timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        outcome = calls.settle(ref, timeout_s=timeout_s)
+        if outcome.failure in (calls.CallFailure.ACTOR_DIED, calls.CallFailure.TIMED_OUT):
             unreachable.append(rank)
+        elif not outcome.ok and outcome.error is not None:
+            raise outcome.error
     return unreachable
 
 

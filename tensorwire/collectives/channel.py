@@ -24,6 +24,7 @@ import torch
 
 from tensorwire.errors import OwnerDiedError, PeerLostError, TransferTimeoutError
 from tensorwire.runtime.api import register_tensors, target_device
+from tensorwire.runtime.hooks import actor_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.base import ObjectDescriptor, PeerInfo
 from tensorwire.transport.wire import decode_announcement, encode_announcement, peer_from_bytes, peer_to_bytes
@@ -54,6 +55,7 @@ class Member:
         return self.peer.node_id
 
 
+@actor_hook
 def describe_self(_actor: object) -> tuple[bytes, int]:
     """Hook: this actor's agent (``Peer`` message bytes) and how many GPUs it sees."""
     peer = runtime_agent().peer

@@ -7,16 +7,17 @@ dtype conversion on the way), or publishes them as an announced object of its ag
 others (ucx/gloo read the tensors, cuda_ipc maps them); it packs bucket k+1 while they copy
 bucket k and reuses a slot only after every reader acknowledged it.
 
-Messages (``<stream prefix>b<k>``): a kind byte, a checksum, a payload. ``R``: the bucket is in
-the sender's staging slot (payload: slot size, segment name); ``O``: an announced object (its
-announcement); ``A``: the sender aborted (why). A reader answers ``b<k>/ack``: empty, or why it
-failed (the server then drops it).
+Messages (``<stream prefix>b<k>``): a kind byte (:class:`BucketKind`), a checksum, a payload.
+``RING``: the bucket is in the sender's staging slot (payload: slot size, segment name);
+``OBJECT``: an announced object (its announcement); ``ABORT``: the sender aborted (why). A
+reader answers ``b<k>/ack``: empty, or why it failed (the server then drops it).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import struct
 import time
 import warnings
@@ -32,7 +33,7 @@ from tensorwire.errors import TensorwireError
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.packing import byte_view, packed_layout
 
-__all__ = ["Fanout", "checksum", "message", "read_slot", "release", "serving"]
+__all__ = ["BucketKind", "Fanout", "checksum", "message", "parse_message", "read_slot", "release", "serving"]
 
 IN_FLIGHT = 2  # buckets published at once by a server (double buffering)
 HEADER = struct.Struct("<cQ")
@@ -46,8 +47,30 @@ _rings: dict[tuple[str, int, int], StagingRing] = {}
 _readers: dict[str, RingReader] = {}
 
 
-def message(kind: bytes, check: int, payload: bytes) -> bytes:
-    return HEADER.pack(kind, check) + payload
+class BucketKind(bytes, enum.Enum):
+    """The kind byte of a bucket message."""
+
+    RING = b"R"  # in the sender's staging slot
+    OBJECT = b"O"  # an announced object of the sender's agent
+    ABORT = b"A"  # the sender aborted: this bucket and later ones will not come
+
+
+def message(kind: BucketKind, check: int, payload: bytes) -> bytes:
+    return HEADER.pack(kind.value, check) + payload
+
+
+def parse_message(data: bytes, what: str) -> tuple[BucketKind, int, bytes]:
+    """(kind, checksum, payload) of a bucket message; ``TensorwireError`` naming ``what``
+    for one that is not."""
+    try:
+        kind = BucketKind(data[:1])
+        _kind, check = HEADER.unpack_from(data)
+    except (ValueError, struct.error):
+        raise TensorwireError(
+            f"{what}: not a bucket message ({len(data)} bytes, kind {data[:1]!r}; "
+            f"expected one of {', '.join(k.value.decode() for k in BucketKind)})"
+        ) from None
+    return kind, check, data[HEADER.size :]
 
 
 def checksum(tensors: Sequence[torch.Tensor]) -> int:
@@ -188,13 +211,13 @@ class Fanout:
             slot = k % IN_FLIGHT
             write_slot(ring.arrays[slot], pieces)
             payload = SLOT.pack(ring.slot_nbytes) + ring.names[slot].encode()
-            messages_to.update(dict.fromkeys(ring_readers, message(b"R", check, payload)))
+            messages_to.update(dict.fromkeys(ring_readers, message(BucketKind.RING, check, payload)))
         desc = None
         if object_readers:
             me = self.channel.members[self.channel.rank].node_id
             same_node = any(self.channel.members[c].node_id == me for c in object_readers)
             desc, announcement, exported = self.channel.publish([as_wire(p) for p in pieces], export=same_node)
-            messages_to.update(dict.fromkeys(object_readers, message(b"O", check, announcement)))
+            messages_to.update(dict.fromkeys(object_readers, message(BucketKind.OBJECT, check, announcement)))
         self.pack_s += time.perf_counter() - start
         nbytes = sum(v.numel() * d.itemsize for v, d in pieces)
         posts = {c: self.channel.post(c, f"{self.prefix}b{k}", m) for c, m in messages_to.items()}
@@ -236,7 +259,7 @@ class Fanout:
 
     def abort(self, reason: str) -> None:
         """Tell the live children that the next bucket and later ones will not come (never raises)."""
-        note = message(b"A", 0, reason.encode()[:4096])
+        note = message(BucketKind.ABORT, 0, reason.encode()[:4096])
         for child in self.live:
             with contextlib.suppress(TensorwireError):
                 self.channel.send(child, f"{self.prefix}b{self.offered}", note)

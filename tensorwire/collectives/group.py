@@ -23,6 +23,7 @@ made again.
 from __future__ import annotations
 
 import datetime
+import enum
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -34,39 +35,69 @@ import torch.distributed as dist
 
 from tensorwire.collectives.channel import Channel, Member, member_from
 from tensorwire.errors import PeerLostError, TensorwireError, TransferTimeoutError
+from tensorwire.runtime.hooks import actor_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.gloo import GlooWorks
 from tensorwire.transport.nccl import NcclWorks
 from tensorwire.transport.pair_groups import ControlStore, abort_group
 from tensorwire.transport.shutdown import run_bounded
 
-__all__ = ["BACKENDS", "Group", "TensorwireGroup", "TorchGroup", "get_group", "group_names", "join", "leave"]
+__all__ = ["BACKENDS", "Backend", "Group", "ReduceOp", "TensorwireGroup", "TorchGroup", "get_group", "group_names",
+           "join", "leave"]  # fmt: skip
 
-BACKENDS = ("gloo", "nccl", "tensorwire")
-_OPS = ("sum", "product", "min", "max", "avg")
+
+class Backend(str, enum.Enum):
+    """How a group's collectives run (see the module doc). Equal to its name as a string."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+    TENSORWIRE = "tensorwire"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ReduceOp(str, enum.Enum):
+    """The reductions of ``all_reduce`` and ``reduce_scatter``. Equal to its name as a string."""
+
+    SUM = "sum"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+BACKENDS = tuple(b.value for b in Backend)
 
 _groups: dict[str, Group] = {}
 _groups_lock = threading.Lock()
 
 
-def _op_name(op: Any) -> str:
-    """``"sum"`` for "sum", ``dist.ReduceOp.SUM``...; ``ValueError`` for anything else."""
+def _reduce_op(op: Any) -> ReduceOp:
+    """The :class:`ReduceOp` for ``ReduceOp.SUM``, "sum", ``dist.ReduceOp.SUM``...;
+    ``ValueError`` for anything else."""
+    if isinstance(op, ReduceOp):
+        return op
     name = op.lower() if isinstance(op, str) else str(op).rpartition(".")[2].lower()
-    if name not in _OPS:
-        raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(_OPS)}")
-    return name
+    try:
+        return ReduceOp(name)
+    except ValueError:
+        raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(o.value for o in ReduceOp)}") from None
 
 
-def _reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+def _reduce(tensors: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     """Elementwise reduction of equally shaped tensors, in rank order."""
     stacked = torch.stack(list(tensors))
-    if op == "sum":
+    if op is ReduceOp.SUM:
         return stacked.sum(0)
-    if op == "avg":
+    if op is ReduceOp.AVG:
         return stacked.sum(0) / len(tensors) if stacked.is_floating_point() else stacked.sum(0) // len(tensors)
-    if op == "product":
+    if op is ReduceOp.PRODUCT:
         return stacked.prod(0)
-    if op == "min":
+    if op is ReduceOp.MIN:
         return stacked.amin(0)
     return stacked.amax(0)
 
@@ -74,11 +105,11 @@ def _reduce(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
 class Group(ABC):
     """One member's view of a group. Methods follow ``torch.distributed``'s collectives."""
 
-    def __init__(self, name: str, rank: int, members: Sequence[Member], backend: str, timeout_s: float) -> None:
+    def __init__(self, name: str, rank: int, members: Sequence[Member], backend: Backend, timeout_s: float) -> None:
         self.name = name
         self.rank = rank
         self.members = tuple(members)
-        self.backend = backend
+        self.backend = Backend(backend)
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # one operation at a time, so every member sees one order
         self._destroyed = False
@@ -105,10 +136,10 @@ class Group(ABC):
         self._check_rank(src, "source")
         self._run(lambda: self._broadcast(tensor, src))
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM) -> None:
         """``tensor`` becomes the reduction (sum by default) of every member's ``tensor``."""
-        name = _op_name(op)
-        self._run(lambda: self._all_reduce(tensor, name))
+        reduction = _reduce_op(op)
+        self._run(lambda: self._all_reduce(tensor, reduction))
 
     def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
         """``tensor_list[r]`` becomes member ``r``'s ``tensor``."""
@@ -116,12 +147,12 @@ class Group(ABC):
             raise ValueError(f"all_gather needs {self.world_size} output tensors, got {len(tensor_list)}")
         self._run(lambda: self._all_gather(tensor_list, tensor))
 
-    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: Any = "sum") -> None:
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM) -> None:
         """``output`` on member ``r`` becomes the reduction of every member's ``input_list[r]``."""
         if len(input_list) != self.world_size:
             raise ValueError(f"reduce_scatter needs {self.world_size} input tensors, got {len(input_list)}")
-        name = _op_name(op)
-        self._run(lambda: self._reduce_scatter(output, input_list, name))
+        reduction = _reduce_op(op)
+        self._run(lambda: self._reduce_scatter(output, input_list, reduction))
 
     def barrier(self) -> None:
         """Return once every member called ``barrier``."""
@@ -153,13 +184,13 @@ class Group(ABC):
     def _broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
 
     @abstractmethod
-    def _all_reduce(self, tensor: torch.Tensor, op: str) -> None: ...
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None: ...
 
     @abstractmethod
     def _all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None: ...
 
     @abstractmethod
-    def _reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: str) -> None: ...
+    def _reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp) -> None: ...
 
     @abstractmethod
     def _barrier(self) -> None: ...
@@ -180,14 +211,14 @@ class Group(ABC):
 class TorchGroup(Group):
     """A standalone gloo or NCCL process group over all members."""
 
-    def __init__(self, name: str, rank: int, members: Sequence[Member], backend: str, timeout_s: float) -> None:
+    def __init__(self, name: str, rank: int, members: Sequence[Member], backend: Backend, timeout_s: float) -> None:
         super().__init__(name, rank, members, backend, timeout_s)
         agent = runtime_agent()
         others = [m.peer for m in members if m.rank != rank]
         store_name = f"{name}/store"
         store = ControlStore(agent, others, store_name, timeout_s)
         try:
-            if backend == "gloo":
+            if self.backend is Backend.GLOO:
                 options = dist.ProcessGroupGloo._Options()
                 options._devices = [dist.ProcessGroupGloo.create_device(hostname=agent.config.host)]
                 options._timeout = datetime.timedelta(seconds=timeout_s)
@@ -230,13 +261,13 @@ class TorchGroup(Group):
             raise PeerLostError(f"group {self.name!r} {what}: {e}") from None
         self._wait(work, buffers, what)
 
-    def _reduce_op(self, op: str) -> Any:
-        if op == "avg" and self.backend == "gloo":
+    def _dist_op(self, op: ReduceOp) -> Any:
+        if op is ReduceOp.AVG and self.backend is Backend.GLOO:
             return dist.ReduceOp.SUM  # gloo has no AVG: divided afterwards
-        return getattr(dist.ReduceOp, {"product": "PRODUCT"}.get(op, op.upper()))
+        return getattr(dist.ReduceOp, op.name)
 
-    def _finish_avg(self, tensor: torch.Tensor, op: str) -> None:
-        if op == "avg" and self.backend == "gloo":
+    def _finish_avg(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        if op is ReduceOp.AVG and self.backend is Backend.GLOO:
             if tensor.is_floating_point():
                 tensor.div_(self.world_size)
             else:
@@ -247,25 +278,25 @@ class TorchGroup(Group):
         options.rootRank = src
         self._post("broadcast", lambda: self._pg.broadcast([tensor], options), [tensor])
 
-    def _all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         options = dist.AllreduceOptions()
-        options.reduceOp = self._reduce_op(op)
+        options.reduceOp = self._dist_op(op)
         self._post("all_reduce", lambda: self._pg.allreduce([tensor], options), [tensor])
         self._finish_avg(tensor, op)
 
     def _all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
         self._post("all_gather", lambda: self._pg.allgather([tensor_list], [tensor]), [tensor, *tensor_list])
 
-    def _reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: str) -> None:
+    def _reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp) -> None:
         options = dist.ReduceScatterOptions()
-        options.reduceOp = self._reduce_op(op)
+        options.reduceOp = self._dist_op(op)
         post = lambda: self._pg.reduce_scatter([output], [input_list], options)  # noqa: E731
         self._post("reduce_scatter", post, [output, *input_list])
         self._finish_avg(output, op)
 
     def _barrier(self) -> None:
         token = torch.zeros(1, device=self._device)
-        self._all_reduce(token, "sum")
+        self._all_reduce(token, ReduceOp.SUM)
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self._post("send", lambda: self._pg.send([tensor], dst, tag), [tensor])
@@ -307,7 +338,7 @@ def broadcast_parents(members: Sequence[Member], src: int) -> dict[int, int]:
 class TensorwireGroup(Group):
     """Collectives over tensorwire's own transports (see the module's documentation)."""
 
-    def __init__(self, name: str, rank: int, members: Sequence[Member], backend: str, timeout_s: float) -> None:
+    def __init__(self, name: str, rank: int, members: Sequence[Member], backend: Backend, timeout_s: float) -> None:
         super().__init__(name, rank, members, backend, timeout_s)
         self.channel = Channel(name, rank, members, timeout_s)
         self._sequence = 0
@@ -372,13 +403,13 @@ class TensorwireGroup(Group):
         self._exchange(self._next(), lambda _r: tensor, lambda r: tensor_list[r])
         tensor_list[self.rank].copy_(tensor)
 
-    def _reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: str) -> None:
+    def _reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp) -> None:
         parts = [torch.empty_like(input_list[r]) for r in range(self.world_size)]
         parts[self.rank] = input_list[self.rank]
         self._exchange(self._next(), lambda r: input_list[r], lambda r: parts[r])
         output.copy_(_reduce(parts, op))
 
-    def _all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._all_gather(gathered, tensor)
         tensor.copy_(_reduce(gathered, op))
@@ -409,21 +440,23 @@ class TensorwireGroup(Group):
 # ---------------------------------------------------------------------- membership (hooks)
 
 
+@actor_hook
 def join(  # noqa: PLR0917 - a hook: called positionally through Ray
     _actor: object,
     name: str,
     channel: str,
     rank: int,
     descriptions: list[tuple[bytes, int]],
-    backend: str,
+    backend: Backend,
     timeout_s: float,
-) -> str:
+) -> Backend:
     """Hook: become member ``rank`` of group ``name`` (every member joins at once)."""
     members = [member_from(r, d) for r, d in enumerate(descriptions)]
     with _groups_lock:
         if name in _groups:
             raise ValueError(f"this process is already in a group named {name!r}; destroy it first")
-    kind = TorchGroup if backend in ("gloo", "nccl") else TensorwireGroup
+    backend = Backend(backend)
+    kind = TensorwireGroup if backend is Backend.TENSORWIRE else TorchGroup
     try:
         group = kind(channel, rank, members, backend, timeout_s)
     except TransferTimeoutError as e:
@@ -434,6 +467,7 @@ def join(  # noqa: PLR0917 - a hook: called positionally through Ray
     return backend
 
 
+@actor_hook
 def leave(_actor: object, name: str) -> bool:
     """Hook: leave group ``name``; False if this process was not in it."""
     with _groups_lock:

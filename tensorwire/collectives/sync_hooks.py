@@ -23,23 +23,26 @@ import torch
 
 from tensorwire.collectives.channel import Channel, member_from
 from tensorwire.collectives.fanout import (
-    HEADER,
     SLOT,
+    BucketKind,
     Fanout,
     Piece,
     checksum,
+    parse_message,
     read_slot,
     ring_reader,
     serving,
 )
 from tensorwire.collectives.fanout import release as release_staging
 from tensorwire.collectives.layout import HeldParam, describe_value
-from tensorwire.collectives.sync_spec import PushSpec, Region, Role, assign_roles
+from tensorwire.collectives.sync_spec import PushSpec, ReceiveResult, Region, Role, SendResult, assign_roles
 from tensorwire.errors import TensorwireError
+from tensorwire.runtime.hooks import actor_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.wire import peer_from_bytes
 
-__all__ = ["PushSpec", "Region", "Role", "assign_roles", "weight_fence", "weight_version"]
+__all__ = ["PushSpec", "ReceiveResult", "Region", "Role", "SendResult", "assign_roles", "weight_fence",
+           "weight_version"]  # fmt: skip
 
 _versions: dict[str, int] = {}
 _fences: dict[str, threading.Lock] = {}
@@ -91,6 +94,7 @@ def _as_dict(value: Any, where: str, role: str) -> dict[str, Any]:
     return value
 
 
+@actor_hook
 def layout(actor: object, where: str | None, role: str) -> list[HeldParam]:
     """Hook: the pieces this actor holds (``role``: "source" or "target")."""
     return describe_value(holder_value(actor, where, role), role)[0]
@@ -134,10 +138,12 @@ def _tensors(actor: object, spec: PushSpec, role: str) -> list[torch.Tensor]:
     return tensors
 
 
+@actor_hook
 def versions_hook(_actor: object, name: str) -> int:
     return weight_version(name)
 
 
+@actor_hook
 def release(_actor: object, sync_id: str) -> None:
     """Hook, every member: drop the staging, mappings and shadows of sync ``sync_id``."""
     release_staging(sync_id)
@@ -182,9 +188,8 @@ def _load(spec: PushSpec | bytes, version: int | None, channel: str | None) -> P
     return spec
 
 
-def send(
-    actor: object, spec: PushSpec | bytes, version: int | None = None, channel: str | None = None
-) -> dict[str, Any]:
+@actor_hook
+def send(actor: object, spec: PushSpec | bytes, version: int | None = None, channel: str | None = None) -> SendResult:
     """Hook, trainer: serve every stream it is the server of, bucket level by level."""
     start = time.perf_counter()
     spec = _load(spec, version, channel)
@@ -215,15 +220,15 @@ def send(
     failed: dict[int, str] = {}
     for fanout in fanouts.values():
         failed.update(fanout.failed)
-    return {
-        "rank": spec.rank,
-        "pack_s": sum(f.pack_s for f in fanouts.values()),
-        "checksum_s": checksum_s,
-        "seconds": time.perf_counter() - start,
-        "failed": failed,
-        "sent_nbytes": sum(f.sent_nbytes for f in fanouts.values()),
-        "peak_nbytes": sum(f.peak_nbytes for f in fanouts.values()),
-    }
+    return SendResult(
+        rank=spec.rank,
+        pack_s=sum(f.pack_s for f in fanouts.values()),
+        checksum_s=checksum_s,
+        seconds=time.perf_counter() - start,
+        failed=failed,
+        sent_nbytes=sum(f.sent_nbytes for f in fanouts.values()),
+        peak_nbytes=sum(f.peak_nbytes for f in fanouts.values()),
+    )
 
 
 def _pieces(tensors: list[torch.Tensor], spec: PushSpec, bucket: tuple[Region, ...]) -> list[Piece]:
@@ -247,13 +252,17 @@ def _wire(piece: Piece) -> torch.Tensor:
 
 
 def _take(
-    channel: Channel, spec: PushSpec, message: bytes, views: list[torch.Tensor], dtypes: list[torch.dtype]
+    channel: Channel,
+    spec: PushSpec,
+    bucket: tuple[BucketKind, bytes],
+    views: list[torch.Tensor],
+    dtypes: list[torch.dtype],
 ) -> tuple[str, float, list[torch.Tensor]]:
     """Copy one bucket into ``views``: from the sender's staging slot or as an announced
     object. Returns the transport, the seconds spent on strided or converted copies, and the
     bucket's tensors as sent (to relay)."""
-    kind, payload = message[:1], message[HEADER.size :]
-    if kind == b"R":
+    kind, payload = bucket
+    if kind is BucketKind.RING:
         (slot_nbytes,) = SLOT.unpack_from(payload)
         array = ring_reader(spec.sync_id).mapped(payload[SLOT.size :].decode(), slot_nbytes)
         return "shm", read_slot(array, views, dtypes), views
@@ -322,9 +331,10 @@ def _fence(actor: object, spec: PushSpec) -> Iterator[None]:
         yield
 
 
+@actor_hook
 def receive(
     actor: object, spec: PushSpec | bytes, version: int | None = None, channel: str | None = None
-) -> dict[str, Any]:
+) -> ReceiveResult:
     """Hook, receiver: read every stream it is in into its tensors; serve the ones it leads."""
     start = time.perf_counter()
     spec = _load(spec, version, channel)
@@ -345,17 +355,16 @@ def receive(
                         if k >= len(role.buckets):
                             continue
                         key = f"s{role.stream}/b{k}"
-                        message = channel.recv(role.parent, key)
-                        if len(message) < HEADER.size or message[:1] not in (b"R", b"O"):
-                            why = message[HEADER.size :].decode(errors="replace") if message[:1] == b"A" else "bad"
-                            raise TensorwireError(f"bucket {k} from member {role.parent} will not come: {why}")
-                        (_kind, expected) = HEADER.unpack_from(message)
+                        what = f"bucket {k} from member {role.parent}"
+                        kind, expected, payload = parse_message(channel.recv(role.parent, key), what)
+                        if kind is BucketKind.ABORT:
+                            raise TensorwireError(f"{what} will not come: {payload.decode(errors='replace')}")
                         bucket = role.buckets[k]
                         prepared = _memo(bucket, lambda b: _bucket_views(b, spec.layout))
                         views = [_view(dsts[param], where) for param, where, _d in prepared]
                         dtypes = [dtype for _p, _w, dtype in prepared]
                         fetch_start = time.perf_counter()
-                        transport, slow_s, sent = _take(channel, spec, message, views, dtypes)
+                        transport, slow_s, sent = _take(channel, spec, (kind, payload), views, dtypes)
                         transports[transport] = transports.get(transport, 0) + 1
                         unpack_s += slow_s
                         transfer_s += time.perf_counter() - fetch_start - slow_s
@@ -393,18 +402,18 @@ def receive(
     relay_failed: dict[int, str] = {}
     for fanout in fanouts.values():
         relay_failed.update(fanout.failed)
-    return {
-        "rank": spec.rank,
-        "version": spec.version,
-        "nbytes": nbytes,
-        "transfer_s": transfer_s,
-        "unpack_s": unpack_s,
-        "verify_s": verify_s,
-        "seconds": time.perf_counter() - start,
-        "transports": transports,
-        "relay_failed": relay_failed,
-        "peak_nbytes": sum(f.peak_nbytes for f in fanouts.values()),
-    }
+    return ReceiveResult(
+        rank=spec.rank,
+        version=spec.version,
+        nbytes=nbytes,
+        transfer_s=transfer_s,
+        unpack_s=unpack_s,
+        verify_s=verify_s,
+        seconds=time.perf_counter() - start,
+        transports=transports,
+        relay_failed=relay_failed,
+        peak_nbytes=sum(f.peak_nbytes for f in fanouts.values()),
+    )
 
 
 def _publish(spec: PushSpec) -> None:

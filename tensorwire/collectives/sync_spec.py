@@ -1,15 +1,16 @@
-"""What each member of a weight-sync push is told: its role in every stream (pure data).
+"""What each member of a weight-sync push is told, and what it answers (pure data).
 
 The driver turns the plan's streams into a :class:`PushSpec` per member (:func:`assign_roles`):
 for each stream the member reads or serves, a :class:`Role` with its parent and children in the
 stream's relay tree and its buckets of :class:`Region` s (a parameter index, a box of it, the
-dtype on the wire).
+dtype on the wire). Trainers answer with a :class:`SendResult`, receivers with a
+:class:`ReceiveResult`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tensorwire.collectives.channel import member_from
@@ -20,7 +21,7 @@ from tensorwire.collectives.plan import Plan
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PushSpec", "Region", "Role", "assign_roles"]
+__all__ = ["PushSpec", "ReceiveResult", "Region", "Role", "SendResult", "assign_roles"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,58 @@ class PushSpec:
     fence: str | None = None
     scales: tuple[tuple[int, int], ...] = ()  # receiver: (float8 param, its scale param)
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """What one trainer did in a push.
+
+    Attributes:
+        rank: Its channel rank.
+        pack_s: Time publishing buckets (the copy into shared memory, exports).
+        checksum_s: Time computing bucket checksums (0 without ``verify``).
+        seconds: Wall time of its part of the push.
+        failed: Child rank -> why it was dropped from a stream.
+        sent_nbytes: Bytes handed on (once per reader).
+        peak_nbytes: Most bytes it had staged at once.
+    """
+
+    rank: int
+    pack_s: float
+    checksum_s: float
+    seconds: float
+    failed: dict[int, str] = field(default_factory=dict)
+    sent_nbytes: int = 0
+    peak_nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class ReceiveResult:
+    """What one receiver did in a push.
+
+    Attributes:
+        rank: Its channel rank.
+        version: The version it now holds.
+        nbytes: Bytes it took in.
+        transfer_s: Time fetching (the copy into its tensors included).
+        unpack_s: Time copying what could not land directly (strided, converted).
+        verify_s: Checksum time (0 without ``verify``).
+        seconds: Wall time of its part of the push.
+        transports: Transport -> buckets it fetched over it.
+        relay_failed: Node-mate rank -> why its relay to it failed.
+        peak_nbytes: Most bytes it had staged at once as a relay.
+    """
+
+    rank: int
+    version: int
+    nbytes: int
+    transfer_s: float
+    unpack_s: float
+    verify_s: float
+    seconds: float
+    transports: dict[str, int] = field(default_factory=dict)
+    relay_failed: dict[int, str] = field(default_factory=dict)
+    peak_nbytes: int = 0
 
 
 def assign_roles(

@@ -27,9 +27,7 @@ complete. A trainer that dies or fails fails the push with an error naming it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import pickle
 import sys
 import time
@@ -38,15 +36,20 @@ from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
 import torch
 
-from tensorwire.collectives.api import DEFAULT_TIMEOUT_S, call_hook, check_actors, describe_actors
+from tensorwire.collectives import sync_hooks
+from tensorwire.collectives.api import DEFAULT_TIMEOUT_S, check_actors, describe_actors
 from tensorwire.collectives.fanout import checksum
 from tensorwire.collectives.layout import HeldParam
 from tensorwire.collectives.plan import Fuse, Mapping, Plan, bucket_plan
-from tensorwire.collectives.sync_hooks import PushSpec, Role, assign_roles, weight_version
+from tensorwire.collectives.sync_hooks import PushSpec, ReceiveResult, Role, assign_roles, weight_version
 from tensorwire.errors import TensorwireError
+from tensorwire.progress import ProgressBar
+from tensorwire.runtime import calls
 from tensorwire.runtime.actor import ActorHandle
+from tensorwire.runtime.hooks import call_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.config import validate_timeout
 from tensorwire.transport.wire import peer_to_bytes
@@ -56,7 +59,6 @@ __all__ = ["SyncReport", "WeightSync", "bucket_plan", "checksum", "weight_versio
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
-_HOOKS = "sync_hooks"
 
 
 @dataclass
@@ -72,7 +74,7 @@ class SyncReport:
         transfer_s: Slowest receiver's time fetching (the copy into its tensors included).
         unpack_s: Slowest receiver's time copying what could not land directly (strided, converted).
         verify_s: Slowest receiver's checksum time (0 without ``verify``).
-        receivers: Receiver id -> its result (times, transports, bytes).
+        receivers: Receiver id -> its :class:`ReceiveResult` (times, transports, bytes).
         failed: Receiver id -> why it does not hold this version.
         peak_staging_nbytes: Most bytes any trainer had staged at once (about two buckets per stream).
         moved_nbytes: Bytes the receivers that completed took in.
@@ -87,7 +89,7 @@ class SyncReport:
     transfer_s: float
     unpack_s: float
     verify_s: float
-    receivers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    receivers: dict[int, ReceiveResult] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     peak_staging_nbytes: int = 0
     moved_nbytes: int = 0
@@ -103,7 +105,7 @@ class SyncReport:
         return self.moved_nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def __str__(self) -> str:
-        transports = sorted({t for r in self.receivers.values() for t in r["transports"]})
+        transports = sorted({t for r in self.receivers.values() for t in r.transports})
         text = (
             f"weight sync v{self.version}: {self.moved_nbytes / 2**20:.1f} MiB into {len(self.receivers)} receiver(s) "
             f"in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s; {self.buckets} bucket(s) by "
@@ -137,7 +139,7 @@ class WeightSync:
         bucket_bytes: Bucket size; extra memory is about two buckets per stream and relay.
         transport: "auto" (the selector, per receiver) or a transport name for every fetch.
         verify: Checksum every bucket and check it in the receivers.
-        progress: Show a progress line on stderr (default: when stderr is a terminal).
+        progress: Show a progress bar on stderr (default: when stderr is a terminal).
         name: Name of this sync, for ``weight_version(name)`` in the receivers.
         timeout_s: Deadline of each wait inside a push (setup included).
     """
@@ -162,8 +164,6 @@ class WeightSync:
         name: str = "weights",
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        import ray
-
         trainers = (trainers,) if isinstance(trainers, ActorHandle) else tuple(trainers)
         check_actors([*trainers, *receivers], "WeightSync (trainers and receivers)")
         if not trainers:
@@ -198,7 +198,8 @@ class WeightSync:
         self._next_id = 0
         self._roles: tuple[Any, dict[int, bytes], dict[int, tuple[Role, ...]], int] | None = None
         mapping = Mapping.build(rename, fuse, scales)
-        layouts = ray.get([call_hook(t, f"{_HOOKS}.layout", source, "source") for t in trainers], timeout=timeout_s)
+        refs = [call_hook(t, sync_hooks.layout, source, "source") for t in trainers]
+        layouts = calls.gather(refs, timeout_s=timeout_s)
         self._trainer_layouts = [tuple(layout) for layout in layouts]
         self._trainer_descriptions = describe_actors(trainers, timeout_s)
         self.plan = Plan(self._trainer_layouts, mapping)
@@ -225,12 +226,11 @@ class WeightSync:
     def add_receiver(self, actor: ActorHandle) -> int:
         """Plan a new receiver (between pushes); the others' plans stay. Returns its id
         (the key of its entries in reports)."""
-        import ray
-
         if self._closed:
             raise RuntimeError("this WeightSync was closed")
         check_actors([*self.trainers, *self._receivers.values(), actor], "WeightSync.add_receiver")
-        layout = tuple(ray.get(call_hook(actor, f"{_HOOKS}.layout", self.target, "target"), timeout=self.timeout_s))
+        (layout,) = calls.gather([call_hook(actor, sync_hooks.layout, self.target, "target")], timeout_s=self.timeout_s)
+        layout = tuple(layout)
         description = describe_actors([actor], self.timeout_s)[0]
         receiver = self._next_id
         self.plan.add_receiver(receiver, layout)
@@ -242,8 +242,6 @@ class WeightSync:
 
     def remove_receiver(self, receiver: ActorHandle | int, *, timeout_s: float = 30.0) -> None:
         """Drop a receiver (by handle or id) between pushes; frees what it kept (if alive)."""
-        import ray
-
         rid = receiver if isinstance(receiver, int) else self._id_of(receiver)
         if rid not in self._receivers:
             raise ValueError(f"receiver {receiver!r} is not in this WeightSync")
@@ -252,13 +250,15 @@ class WeightSync:
         for table in (self._layouts, self._descriptions):
             table.pop(rid, None)
         if rid not in self._dead:
-            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                ray.get(call_hook(actor, f"{_HOOKS}.release", self._id), timeout=timeout_s)
+            # died or late: nothing left to free there (passed over); the hook itself failing is raised
+            outcome = calls.settle(call_hook(actor, sync_hooks.release, self._id), timeout_s=timeout_s)
+            if outcome.failure is calls.CallFailure.FAILED and outcome.error is not None:
+                raise outcome.error
         self._dead.discard(rid)
 
     def _id_of(self, actor: ActorHandle) -> int:
         for rid, known in self._receivers.items():
-            if known.ray_handle._actor_id == actor.ray_handle._actor_id:
+            if calls.same_actor(known, actor):
                 return rid
         raise ValueError(f"{actor!r} is not a receiver of this WeightSync")
 
@@ -267,8 +267,6 @@ class WeightSync:
     def _specs(self, live: tuple[int, ...]) -> tuple[dict[int, bytes], dict[int, tuple[Role, ...]], int]:
         """Each member's part of a push over the ``live`` receivers, serialised once (pushes
         over the same members only change the version and channel)."""
-        import ray
-
         descriptions = (*self._trainer_descriptions, *(self._descriptions[r] for r in live))
         layouts = [self._layouts[r] for r in live]
         roles, buckets = assign_roles(
@@ -295,7 +293,7 @@ class WeightSync:
             try:  # the C pickler: tens of times faster than cloudpickle on thousands of small records
                 blobs[rank] = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
             except (pickle.PicklingError, AttributeError, TypeError):  # a lambda as transform
-                blobs[rank] = ray.cloudpickle.dumps(spec)
+                blobs[rank] = cloudpickle.dumps(spec)
         return blobs, roles, buckets
 
     def push(self) -> SyncReport:
@@ -308,8 +306,6 @@ class WeightSync:
             TensorwireError: A trainer died or failed (the message names it; ``.report`` has
                 what the receivers did).
         """
-        import ray
-
         if self._closed:
             raise RuntimeError("this WeightSync was closed")
         self.version += 1
@@ -321,9 +317,9 @@ class WeightSync:
         channel = f"tw-sync-{self._id}-{self.version}"
         m = len(self.trainers)
         start = time.perf_counter()
-        trainer_refs = [call_hook(t, f"{_HOOKS}.send", blobs[i], self.version, channel)
+        trainer_refs = [call_hook(t, sync_hooks.send, blobs[i], self.version, channel)
                         for i, t in enumerate(self.trainers)]  # fmt: skip
-        receiver_refs = {r: call_hook(self._receivers[r], f"{_HOOKS}.receive", blobs[m + i], self.version, channel)
+        receiver_refs = {r: call_hook(self._receivers[r], sync_hooks.receive, blobs[m + i], self.version, channel)
                          for i, r in enumerate(live)}  # fmt: skip
         self._wait([*trainer_refs, *receiver_refs.values()], channel, roles, buckets)
         seconds = time.perf_counter() - start
@@ -332,52 +328,53 @@ class WeightSync:
             if rid not in receiver_refs:
                 report.failed[rid] = "left out: it died in an earlier push"
         for rid, ref in receiver_refs.items():
-            try:
-                result = ray.get(ref, timeout=self.timeout_s)
-            except ray.exceptions.RayActorError as e:
+            outcome = calls.settle(ref, timeout_s=self.timeout_s)
+            if outcome.failure is calls.CallFailure.ACTOR_DIED:
                 self._dead.add(rid)
-                report.failed[rid] = f"the receiver died: {str(e).splitlines()[0]}"
+                report.failed[rid] = f"the receiver died: {outcome.reason}"
                 continue
-            except ray.exceptions.RayTaskError as e:
-                report.failed[rid] = str(e.cause if e.cause is not None else e).splitlines()[0]
+            if outcome.failure is calls.CallFailure.FAILED:
+                report.failed[rid] = outcome.reason
                 continue
+            if outcome.error is not None:  # timed out
+                raise outcome.error
+            result: ReceiveResult = outcome.value
             report.receivers[rid] = result
-            report.moved_nbytes += result["nbytes"]
+            report.moved_nbytes += result.nbytes
             report.plan_nbytes += self.plan.receiver_nbytes_of(rid)
-            report.transfer_s = max(report.transfer_s, result["transfer_s"])
-            report.unpack_s = max(report.unpack_s, result["unpack_s"])
-            report.verify_s = max(report.verify_s, result["verify_s"])
+            report.transfer_s = max(report.transfer_s, result.transfer_s)
+            report.unpack_s = max(report.unpack_s, result.unpack_s)
+            report.verify_s = max(report.verify_s, result.verify_s)
         for i, ref in enumerate(trainer_refs):
-            try:
-                result = ray.get(ref, timeout=self.timeout_s)
-            except ray.exceptions.RayActorError as e:
+            outcome = calls.settle(ref, timeout_s=self.timeout_s)
+            if outcome.failure is calls.CallFailure.ACTOR_DIED:
                 error = TensorwireError(
                     f"weight sync v{self.version}: trainer {i} ({self.trainers[i]!r}) died during the push: "
-                    f"{str(e).splitlines()[0]}; make a new WeightSync over live trainers"
+                    f"{outcome.reason}; make a new WeightSync over live trainers"
                 )
                 error.report = report  # type: ignore[attr-defined]
                 raise error from None
-            except ray.exceptions.RayTaskError as e:
-                e.report = report  # type: ignore[attr-defined]
-                raise
-            report.pack_s = max(report.pack_s, result["pack_s"])
-            report.peak_staging_nbytes = max(report.peak_staging_nbytes, result["peak_nbytes"])
+            if outcome.error is not None:  # the trainer failed (Ray's error carrying it), or timed out
+                outcome.error.report = report  # type: ignore[attr-defined]
+                raise outcome.error
+            report.pack_s = max(report.pack_s, outcome.value.pack_s)
+            report.peak_staging_nbytes = max(report.peak_staging_nbytes, outcome.value.peak_nbytes)
         return report
 
     def _wait(self, refs: list[Any], channel: str, roles: dict[int, tuple[Role, ...]], buckets: int) -> None:
         """Wait for the push (bounded), drawing progress from the trainers' messages."""
-        import ray
-
         pending = list(refs)
         deadline = time.monotonic() + self.timeout_s * (buckets + 2)
         agent = runtime_agent()
         expected = [(role.stream, len(role.buckets)) for rank in range(len(self.trainers)) for role in roles[rank]]
         settled = dict.fromkeys((s for s, _n in expected), 0)
+        bar = ProgressBar(buckets, desc=f"weight sync v{self.version}", unit="bucket", enabled=self.progress)
+        bar.step(f"{self.plan.nbytes / 2**20:.0f} MiB in all", 0)
         try:
             while pending:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"weight sync v{self.version} did not finish in time")
-                _done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1)
+                _done, pending = calls.wait_all(pending, timeout_s=0.1)
                 if not self.progress:
                     continue
                 for stream, count in expected:
@@ -387,49 +384,34 @@ class WeightSync:
                         except TensorwireError:
                             break
                         settled[stream] += 1
-                self._draw(sum(settled.values()), buckets)
+                bar.advance_to(sum(settled.values()))
         finally:
             agent.rendezvous_forget(channel)
-            if self.progress:
-                sys.stderr.write("\n")
-
-    def _draw(self, settled: int, total: int) -> None:
-        width = 30
-        filled = math.floor(width * settled / total) if total else width
-        sys.stderr.write(
-            f"\rweight sync v{self.version} [{'#' * filled}{'.' * (width - filled)}] {settled}/{total} buckets, "
-            f"{self.plan.nbytes / 2**20:.0f} MiB in all"
-        )
-        sys.stderr.flush()
+            bar.close()
 
     # ------------------------------------------------------------------ state
 
     def versions(self) -> list[int]:
         """The version each receiver holds completely (0: none yet; -1: unreachable)."""
-        import ray
-
         result = []
         for actor in self._receivers.values():
-            try:
-                result.append(ray.get(call_hook(actor, f"{_HOOKS}.versions_hook", self.name), timeout=30.0))
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                result.append(-1)
+            outcome = calls.settle(call_hook(actor, sync_hooks.versions_hook, self.name), timeout_s=30.0)
+            if outcome.failure is calls.CallFailure.FAILED and outcome.error is not None:
+                raise outcome.error
+            result.append(outcome.value if outcome.ok else -1)
         return result
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Free the staging memory the sync keeps between pushes (two buckets of shared memory
         per stream a process serves, the receivers' mappings of them and atomic shadows). Idempotent."""
-        import ray
-
         if self._closed:
             return
         self._closed = True
-        refs = [call_hook(a, f"{_HOOKS}.release", self._id) for a in (*self.trainers, *self._receivers.values())]
+        refs = [call_hook(a, sync_hooks.release, self._id) for a in (*self.trainers, *self._receivers.values())]
         # One deadline for all (bounded whatever the number of actors); late ones are named.
-        done, late = ray.wait(refs, num_returns=len(refs), timeout=validate_timeout(timeout_s))
+        done, late = calls.wait_all(refs, timeout_s=validate_timeout(timeout_s))
         for ref in done:
-            with contextlib.suppress(ray.exceptions.RayError):
-                ray.get(ref, timeout=1.0)
+            calls.settle(ref, timeout_s=1.0)  # a member that died or failed has nothing left to free
         if late:
             logger.warning("weight sync %s: %d actor(s) did not release within %.0f s", self.name, len(late), timeout_s)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +34,7 @@ from tensorwire.runtime.handles import (
     get_actor,
     make_handle,
 )
+from tensorwire.runtime.hooks import HOOK_METHOD, run_hook
 from tensorwire.runtime.pending import pending_ref
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ray_env import configure_process, configured, mark_async_actor
@@ -283,20 +283,10 @@ def _wrap_method(fn: Callable[..., Any], options: MethodOptions, async_actor: bo
     return wrapper
 
 
-_HOOK_PACKAGE = "tensorwire.collectives."
-
-
-def _tw_hook(self: Any, function: str, *args: Any, **kwargs: Any) -> Any:
-    """Hidden method of every tensorwire actor: ``function(actor, *args, **kwargs)``, for the
-    layers above the runtime (collectives join groups and sync weights through it). Only
-    functions of that package can be named; the runtime does not import it."""
-    module_name, _, name = function.rpartition(".")
-    if not function.startswith(_HOOK_PACKAGE) or not name:
-        raise ValueError(f"not a tensorwire hook: {function!r}")
-    return getattr(importlib.import_module(module_name), name)(self, *args, **kwargs)
-
-
-HOOK_METHOD = "_tw_hook"
+def _tw_hook(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hidden method of every tensorwire actor: run registered hook ``key`` on this actor
+    (:mod:`tensorwire.runtime.hooks`; collectives join groups and sync weights through it)."""
+    return run_hook(self, key, *args, **kwargs)
 
 
 def _method_table(cls: type) -> dict[str, MethodOptions]:

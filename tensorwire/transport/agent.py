@@ -39,13 +39,16 @@ import grpc
 import torch
 
 from tensorwire.errors import (
+    InvalidRequestError,
     NoTransportError,
     ObjectFreedError,
     OwnerDiedError,
     PeerLostError,
     PermissionDeniedError,
     TensorwireError,
+    TransferAbortedError,
     TransferTimeoutError,
+    TransportError,
 )
 from tensorwire.transport import calibration, metrics, registry, selector, topology
 from tensorwire.transport.base import (
@@ -64,7 +67,6 @@ from tensorwire.transport.config import Config, validate_timeout
 from tensorwire.transport.control import (
     ControlClient,
     ControlServer,
-    RequestError,
     cluster_token,
     map_rpc_error,
     socket_dir,
@@ -289,7 +291,7 @@ class Agent(TransportContext):
         """Producer: export ``entry`` for transport ``name`` now (a consumer forced it)."""
         transport = self._transports.get(name)
         if transport is None or not (transport.capabilities.needs_export or transport.capabilities.export_per_consumer):
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"transport {name!r} cannot export here")
+            raise InvalidRequestError(f"transport {name!r} cannot export here")
         per_consumer = transport.capabilities.export_per_consumer
         with entry.export_lock:
             if not per_consumer and entry.handles is not None and name in entry.handles:
@@ -297,11 +299,10 @@ class Agent(TransportContext):
             try:
                 handle = transport.export(entry.stored)
             except TensorwireError as e:
-                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"{name} export failed: {e}") from None
+                raise TransportError(f"{name} export failed: {e}") from None
             if handle is None:
                 limit = f"; inline takes at most {self._config.inline_max_nbytes} (TENSORWIRE_INLINE_NBYTES)"
-                raise RequestError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                raise TransportError(
                     f"{name} declined to export this object of {entry.stored.nbytes} bytes"
                     f"{limit if name == 'inline' else ''}",
                 )
@@ -578,13 +579,8 @@ class Agent(TransportContext):
         )
 
     def _lookup_for_peer(self, request: Any) -> _Entry:
-        """``_lookup`` for a control-service request: errors become gRPC statuses."""
-        try:
-            return self._lookup(request.object_id, request.token)
-        except ObjectFreedError as e:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, str(e)) from None
-        except PermissionDeniedError as e:
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+        """``_lookup`` for a control-service request (its errors become statuses in ``control``)."""
+        return self._lookup(request.object_id, request.token)
 
     @staticmethod
     def _check_token(expected: bytes, given: bytes) -> None:
@@ -597,8 +593,6 @@ class Agent(TransportContext):
             state = ObjectState.LIVE
         except ObjectFreedError:
             state = ObjectState.FREED
-        except PermissionDeniedError as e:
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
         return messages["StatusReply"](state=int(state))
 
     def handle_free(self, request: Any) -> Any:
@@ -606,8 +600,6 @@ class Agent(TransportContext):
             entry = self._lookup(request.object_id, request.token)
         except ObjectFreedError:
             return messages["StatusReply"](state=int(ObjectState.FREED))
-        except PermissionDeniedError as e:
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
         self._free(entry)
         return messages["StatusReply"](state=int(ObjectState.FREED))
 
@@ -625,29 +617,22 @@ class Agent(TransportContext):
         entry = self._lookup_for_peer(request)
         transport = self._transports.get(request.transport)
         if transport is None or transport.capabilities.one_sided:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"transport {request.transport!r} cannot serve two-sided transfers here",
-            )
+            raise InvalidRequestError(f"transport {request.transport!r} cannot serve two-sided transfers here")
         return self._serving(transport.serve(entry.stored, request.params))
 
     def handle_connect(self, request: Any) -> Any:
         transport = self._transports.get(request.transport)
         if transport is None or transport.capabilities.one_sided:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"transport {request.transport!r} takes no connections here"
-            )
+            raise InvalidRequestError(f"transport {request.transport!r} takes no connections here")
         try:
             answer = transport.accept(decode_peer(request.sender), request.payload)
         except TensorwireError as e:
-            raise RequestError(
-                grpc.StatusCode.ABORTED, f"{request.transport}: accepting a connection failed: {e}"
-            ) from None
+            raise TransferAbortedError(f"{request.transport}: accepting a connection failed: {e}") from None
         return messages["ConnectReply"](payload=answer)
 
     def handle_rendezvous(self, request: Any) -> Any:
         if len(request.value) > _RENDEZVOUS_MAX_VALUE or not request.group or not request.key:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "malformed rendezvous key")
+            raise InvalidRequestError("malformed rendezvous key")
         self._rendezvous_put(request.group, request.key, request.value)
         return messages["RendezvousReply"]()
 

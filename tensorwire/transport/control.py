@@ -5,6 +5,12 @@ the same node and on TCP (``Config.host``, never 0.0.0.0 by default) for other n
 call must carry the cluster token in its metadata; requests are protobuf messages
 (:mod:`tensorwire.transport.wire`) and nothing received is unpickled. Every client call has
 a deadline.
+
+Errors cross the wire in one place, :data:`STATUS_OF`: a handler (or a transport serving a
+request) raises a tensorwire error; the server answers with that error's status and names its
+class in the trailing metadata; the client raises the same class again
+(:func:`map_rpc_error`). Statuses that gRPC itself makes (unreachable, deadline, cancelled)
+map to the tensorwire error of what happened.
 """
 
 from __future__ import annotations
@@ -23,21 +29,34 @@ from typing import Any, Protocol
 import grpc
 
 from tensorwire.errors import (
+    InvalidRequestError,
     ObjectFreedError,
     PeerLostError,
     PermissionDeniedError,
+    TensorwireError,
     TransferAbortedError,
     TransferTimeoutError,
     TransportError,
+    UnknownConnectionError,
 )
 from tensorwire.transport.wire import messages
 
-__all__ = ["ControlClient", "ControlHandler", "ControlServer", "cluster_token", "map_rpc_error", "socket_dir"]
+__all__ = [
+    "STATUS_OF",
+    "ControlClient",
+    "ControlHandler",
+    "ControlServer",
+    "cluster_token",
+    "map_rpc_error",
+    "socket_dir",
+    "status_of",
+]
 
 logger = logging.getLogger(__name__)
 
 CLUSTER_TOKEN_ENV = "TENSORWIRE_CLUSTER_TOKEN"
 _TOKEN_METADATA = "tw-cluster-token"
+_ERROR_METADATA = "tw-error"  # the class (of STATUS_OF) of the error a handler raised
 _SERVICE = "tensorwire.control.v1.Control"
 _MAX_MESSAGE_NBYTES = 64 * 1024 * 1024
 _CHANNEL_OPTIONS = [
@@ -103,13 +122,45 @@ class ControlHandler(Protocol):
     def handle_rendezvous(self, request: Any) -> Any: ...
 
 
+# The one mapping of tensorwire errors to gRPC statuses, most specific first: a handler raises
+# the error, the server answers with its status, the client raises that class again.
+STATUS_OF: tuple[tuple[type[TensorwireError], grpc.StatusCode], ...] = (
+    (UnknownConnectionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ObjectFreedError, grpc.StatusCode.NOT_FOUND),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (TransferAbortedError, grpc.StatusCode.ABORTED),
+    (TensorwireError, grpc.StatusCode.FAILED_PRECONDITION),  # any other: the request could not be served
+)
+_NAMED = {cls.__name__: cls for cls, _code in STATUS_OF if cls is not TensorwireError}
+
+
+def status_of(error: TensorwireError) -> tuple[grpc.StatusCode, str]:
+    """The status a handler's ``error`` is answered with, and the class name the client sees."""
+    for cls, code in STATUS_OF:
+        if isinstance(error, cls):
+            return code, cls.__name__
+    raise AssertionError("unreachable: TensorwireError is the last entry")  # pragma: no cover
+
+
 class RequestError(Exception):
-    """Raised by a handler to answer with a gRPC status (mapped to tensorwire errors by clients)."""
+    """Deprecated: raise a tensorwire error instead (:data:`STATUS_OF` maps it). Kept only so
+    that handler code not yet converted still answers with its status."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
+
+
+def _abort(context: grpc.ServicerContext, error: TensorwireError | RequestError) -> None:
+    """Answer the call with ``error``'s status (raises, as ``context.abort`` does)."""
+    if isinstance(error, TensorwireError):
+        code, name = status_of(error)
+        context.set_trailing_metadata(((_ERROR_METADATA, name),))
+        context.abort(code, str(error))
+    elif isinstance(error, RequestError):
+        context.abort(error.code, error.details)
 
 
 def _identity(data: bytes) -> bytes:
@@ -189,8 +240,8 @@ class ControlServer:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing cluster token")
             try:
                 return fn(request)
-            except RequestError as e:
-                context.abort(e.code, e.details)
+            except (TensorwireError, RequestError) as e:
+                _abort(context, e)
 
         return method
 
@@ -203,8 +254,8 @@ class ControlServer:
                     if not context.is_active():
                         return
                     yield chunk
-            except RequestError as e:
-                context.abort(e.code, e.details)
+            except (TensorwireError, RequestError) as e:
+                _abort(context, e)
             except Exception as e:
                 logger.warning("serving a transfer failed: %s", e, exc_info=True)
                 context.abort(grpc.StatusCode.INTERNAL, f"producer failed while serving: {type(e).__name__}: {e}")
@@ -216,6 +267,9 @@ def map_rpc_error(error: grpc.RpcError, what: str) -> Exception:
     """The tensorwire error for a failed control call (``what`` names the call for the message)."""
     code = error.code() if hasattr(error, "code") else None
     details = error.details() if hasattr(error, "details") else str(error)
+    named = _NAMED.get(_error_name(error))
+    if named is not None:  # raised by the peer's handler: the same class here
+        return named(f"{what}: {details}")
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return PermissionDeniedError(f"{what}: {details}")
     if code == grpc.StatusCode.NOT_FOUND:
@@ -227,6 +281,14 @@ def map_rpc_error(error: grpc.RpcError, what: str) -> Exception:
     if code == grpc.StatusCode.CANCELLED:
         return TransferAbortedError(f"{what}: cancelled ({details})")
     return TransportError(f"{what}: {code.name if code else 'error'}: {details}")
+
+
+def _error_name(error: grpc.RpcError) -> str:
+    trailing = getattr(error, "trailing_metadata", None)
+    for key, value in (trailing() if callable(trailing) else None) or ():
+        if key == _ERROR_METADATA:
+            return value if isinstance(value, str) else value.decode()
+    return ""
 
 
 class ControlClient:

@@ -36,12 +36,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import torch
 
-from tensorwire.errors import OwnerDiedError, PeerLostError, TransferAbortedError, TransferTimeoutError, TransportError
+from tensorwire.errors import (
+    InvalidRequestError,
+    OwnerDiedError,
+    PeerLostError,
+    TransferAbortedError,
+    TransferTimeoutError,
+    TransportError,
+    UnknownConnectionError,
+)
 from tensorwire.transport.base import FetchRequest, PeerInfo, StoredObject, Transport
-from tensorwire.transport.control import RequestError
 from tensorwire.transport.packing import byte_view, message_plan
 
 __all__ = ["Connection", "PostedOps", "TwoSidedTransport"]
@@ -54,7 +60,6 @@ _KEY_NBYTES = 16
 _TAG_SHIFT = 16  # low bits: message index within a transfer
 _MAX_MESSAGES = 1 << _TAG_SHIFT
 _TAG_SPACE = 1 << 15  # tag bases wrap here, so tags fit in 31 bits (gloo's limit)
-_UNKNOWN_CONNECTION = "unknown connection"
 
 
 @dataclass
@@ -333,7 +338,7 @@ class TwoSidedTransport(Transport):
             self._drop(connection)
             if isinstance(e, (OwnerDiedError, PeerLostError)):
                 self.peer_died_mid_transfer(connection)
-            if isinstance(e, TransportError) and _UNKNOWN_CONNECTION in str(e):
+            if isinstance(e, UnknownConnectionError):
                 logger.debug("%s: the owner no longer knows the connection; reconnecting", what)
                 raise _Reconnect from None
             raise
@@ -343,13 +348,18 @@ class TwoSidedTransport(Transport):
         """Producer, on an agent service thread: post the sends the consumer asked for (after
         the work that produced device tensors, see ``StoredObject.wait_ready``)."""
         if len(params) != _PARAMS.size:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: malformed transfer parameters")
+            raise InvalidRequestError(
+                f"{self.name}: malformed transfer parameters ({len(params)} bytes, expected {_PARAMS.size})"
+            )
         key, tag_base, deadline_ms = _PARAMS.unpack(params)
         deadline = time.monotonic() + deadline_ms / 1000
         with self._lock:
             connection = self._incoming.get(key)
         if connection is None:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name}: {_UNKNOWN_CONNECTION}")
+            raise UnknownConnectionError(
+                f"{self.name}: unknown connection {key.hex()}: this producer dropped it (after a failure) "
+                "or never made it; the consumer reconnects"
+            )
         plan = self._plan([m.nbytes for m in obj.metas])
         tags = [(tag_base << _TAG_SHIFT) | i for i in range(len(plan))]
         obj.wait_ready()

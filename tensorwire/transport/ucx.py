@@ -258,7 +258,8 @@ class UcxTransport(TwoSidedTransport):
         for other in connections:
             other.closed = True
         logger.warning(
-            "ucx: agent %s died during a transfer; started over with a new UCX worker (%d other connection(s) dropped%s)",
+            "ucx: agent %s died during a transfer; started over with a new UCX worker "
+            "(%d other connection(s) dropped%s)",
             connection.peer.agent_id,
             len(connections),
             "" if stopped else "; the old progress thread did not stop and is left behind",

@@ -6,6 +6,7 @@ each other from the descriptions the test passes around, as the driver does with
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -51,7 +52,7 @@ def holder(tensors: int, device: str, seed: int | None) -> SimpleNamespace:
 
 def sync_send(spec: sync_hooks.PushSpec, tensors: int, device: str) -> dict:
     actor = holder(tensors, device, seed=3)
-    result = sync_hooks.send(actor, spec)
+    result = dataclasses.asdict(sync_hooks.send(actor, spec))
     result["digest"] = digest(actor.weights)
     return result
 
@@ -59,7 +60,7 @@ def sync_send(spec: sync_hooks.PushSpec, tensors: int, device: str) -> dict:
 def sync_receive(spec: sync_hooks.PushSpec, tensors: int, device: str) -> dict:
     actor = holder(tensors, device, seed=None)
     before = [t.data_ptr() for t in actor.weights.values()]
-    result = sync_hooks.receive(actor, spec)
+    result = dataclasses.asdict(sync_hooks.receive(actor, spec))
     result["digest"] = digest(actor.weights)
     result["in_place"] = before == [t.data_ptr() for t in actor.weights.values()]
     sync_hooks.release(actor, spec.sync_id)
@@ -85,14 +86,14 @@ def _sharded_weights(role: str, rank: int, device: str) -> dict:
 def sharded_send(spec: sync_hooks.PushSpec, rank: int, device: str) -> dict:
     actor = SimpleNamespace(weights=_sharded_weights("trainer", rank, device))
     _kept[f"trainer{rank}"] = actor
-    return sync_hooks.send(actor, spec)
+    return dataclasses.asdict(sync_hooks.send(actor, spec))
 
 
 def sharded_receive(spec: sync_hooks.PushSpec, device: str) -> dict:
     weights = _sharded_weights("receiver", 0, device)
     expected_w, expected_b = weights.pop("expected")
     actor = SimpleNamespace(weights=weights)
-    result = sync_hooks.receive(actor, spec)
+    result = dataclasses.asdict(sync_hooks.receive(actor, spec))
     result["exact"] = torch.equal(weights["w"].tensor.cpu(), expected_w) and torch.equal(weights["b"].cpu(), expected_b)
     sync_hooks.release(actor, spec.sync_id)
     return result

@@ -114,9 +114,9 @@ def test_weight_sync_relays_through_one_leader_per_node(cluster):
     expected = ray.get(trainer.digest.remote())
     assert ray.get([r.digest.remote() for r in receivers]) == [expected] * 3
     assert ray.get([r.data_ptrs.remote() for r in receivers]) == pointers
-    used = [set(report.receivers[i]["transports"]) for i in range(3)]
+    used = [set(report.receivers[i].transports) for i in range(3)]
     assert used == [{"ucx"}, {"shm"}, {"shm"}]
-    assert report.receivers[0]["peak_nbytes"] > 0  # the leader served its node-mate
+    assert report.receivers[0].peak_nbytes > 0  # the leader served its node-mate
     sync.close()
 
 

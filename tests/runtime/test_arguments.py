@@ -47,7 +47,22 @@ def test_a_remote_function_must_be_called_with_remote():
         double(3)
 
 
-def test_the_hidden_hook_runs_only_collectives_functions():
-    for name in ("os.system", "tensorwire.collectives.", "builtins.eval"):
+def test_the_hidden_hook_runs_only_registered_hooks():
+    from tensorwire.runtime.hooks import HookKey, hook_key
+
+    refused = [
+        "os.system",  # not a key at all
+        ("os", "system"),  # outside the package: never imported
+        ("builtins", "eval"),
+        ("tensorwire.collectives.group", "get_group"),  # a real function, but not registered as a hook
+        ("tensorwire.collectives.nonexistent", "join"),
+    ]
+    for key in refused:
         with pytest.raises(ValueError, match="not a tensorwire hook"):
-            _tw_hook(object(), name, "echo hi")
+            _tw_hook(object(), key, "echo hi")
+    from tensorwire.collectives import group
+
+    assert hook_key(group.leave) == HookKey("tensorwire.collectives.group", "leave")
+    assert _tw_hook(object(), ("tensorwire.collectives.group", "leave"), "no-such-group") is False  # it ran
+    with pytest.raises(ValueError, match="not a registered actor hook"):
+        hook_key(group.get_group)

@@ -135,3 +135,43 @@ def test_call_on_a_channel_closed_by_another_thread_reconnects(agent):
         assert future.result().peer.agent_id == agent.peer.agent_id
     finally:
         client.close()
+
+
+def _transfer_error(agent, request) -> grpc.RpcError:
+    from tensorwire.transport.control import ControlClient
+
+    client = ControlClient(token=cluster_token())
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.stream(agent.peer.unix_address, request, timeout_s=10))
+        return info.value
+    finally:
+        client.close()
+
+
+def test_handler_errors_cross_the_wire_as_the_same_tensorwire_class(agent):
+    """A transport raises a tensorwire error; the server answers with the status of
+    ``STATUS_OF``, and the client raises that class again (no text matching)."""
+    import struct
+
+    import torch
+
+    import tensorwire as tw
+    from tensorwire.errors import InvalidRequestError, TransportError, UnknownConnectionError
+    from tensorwire.transport.control import map_rpc_error
+
+    ref = tw.put(torch.arange(100_000))
+    desc = ref._desc
+    stale = struct.pack("!16sIQ", b"\x07" * 16, 1, 5_000)  # a connection key this producer never made
+    request = messages["TransferRequest"](object_id=desc.object_id, token=desc.token, transport="gloo", params=stale)
+    error = _transfer_error(agent, request)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    mapped = map_rpc_error(error, "the transfer")
+    assert type(mapped) is UnknownConnectionError
+    assert str(mapped).startswith("the transfer: gloo: unknown connection 0707")
+
+    request.params = b"short"
+    mapped = map_rpc_error(_transfer_error(agent, request), "the transfer")
+    assert type(mapped) is InvalidRequestError and isinstance(mapped, TransportError)
+    assert "malformed transfer parameters (5 bytes, expected 28)" in str(mapped)
+    assert tw.get(ref).sum() == sum(range(100_000))  # the object and the agent are fine
