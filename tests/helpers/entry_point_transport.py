@@ -12,6 +12,7 @@ process with that directory on ``sys.path`` (``PYTHONPATH``) finds the transport
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import secrets
@@ -69,10 +70,8 @@ class EntryPointTransport(Transport):
     def release(self, obj: StoredObject) -> None:
         name = obj.transport_state.pop(NAME, None)
         if isinstance(name, str):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self._dir, name))
-            except FileNotFoundError:
-                pass
 
     def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
         if request.handle is None:

@@ -38,7 +38,8 @@ def _transport(caps: Capabilities, **methods) -> type[Transport]:
     [
         (Capabilities(one_sided=True, same_process=False, same_node=True, cross_node=False, needs_export=True),
          "export", "needs_export=True"),
-        (Capabilities(one_sided=False, same_process=False, same_node=True, cross_node=True), "serve", "one_sided=False"),
+        (Capabilities(one_sided=False, same_process=False, same_node=True, cross_node=True),
+         "serve", "one_sided=False"),
         (Capabilities(one_sided=True, same_process=True, same_node=False, cross_node=False, zero_copy_view=True),
          "view", "zero_copy_view=True"),
         (Capabilities(one_sided=True, same_process=False, same_node=True, cross_node=True, peer_setup=True),

@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 
+from tensorwire.transport import selector
 from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
 from tensorwire.transport.gloo import GlooTransport
 from tensorwire.transport.host import HostTransport
 from tensorwire.transport.inline import InlineTransport
 from tensorwire.transport.local import LocalTransport
-from tensorwire.transport import selector
 from tensorwire.transport.selector import ObjectSummary
 from tensorwire.transport.shm import ShmTransport
 from tensorwire.transport.ucx import UcxTransport
