@@ -184,27 +184,19 @@ def test_out_buffers(transport, consumers):
     assert same_buffer
 
 
-def test_cross_node(transport, consumers):
+def test_placements(transport, consumers):
+    """A consumer on this node and one on another node each get the bytes exactly where the
+    transport declares it serves, else ``NoTransportError``."""
     value = {"w": torch.randn(1000, 100), "b": torch.arange(7)}
     ref = tw.put(value)
-    if not caps_of(transport).cross_node:
-        error = consumers["other"].call("tests.helpers.tasks:get_error", ref, transport=transport)
-        assert error == "NoTransportError"
-        return
-    got_digest, used = consumers["other"].call("tests.helpers.tasks:get_transport", ref, transport=transport)
-    assert (got_digest, used) == (digest(value), transport)
-
-
-def test_same_node(transport, consumers):
-    value = torch.arange(5000, dtype=torch.int32)
-    ref = tw.put(value)
-    if not caps_of(transport).same_node:
-        assert consumers["same"].call("tests.helpers.tasks:get_error", ref, transport=transport) == "NoTransportError"
-        return
-    assert consumers["same"].call("tests.helpers.tasks:get_transport", ref, transport=transport) == (
-        digest(value),
-        transport,
-    )
+    caps = caps_of(transport)
+    for where, serves in (("same", caps.same_node), ("other", caps.cross_node)):
+        if not serves:
+            error = consumers[where].call("tests.helpers.tasks:get_error", ref, transport=transport)
+            assert error == "NoTransportError", where
+            continue
+        got_digest, used = consumers[where].call("tests.helpers.tasks:get_transport", ref, transport=transport)
+        assert (got_digest, used) == (digest(value), transport), where
 
 
 def test_same_process(transport):

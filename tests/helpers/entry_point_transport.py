@@ -41,7 +41,8 @@ class EntryPointTransport(Transport):
 
     def __init__(self, context) -> None:
         super().__init__(context)
-        self._dir = tempfile.mkdtemp(prefix=f"tensorwire-testep-{os.getpid()}-")
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self._dir = os.path.join(root, f"tensorwire-testep-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}")
         self._peers: dict[str, str] = {}  # agent id -> its directory
         self._lock = threading.Lock()
         self.loads = 0
@@ -51,19 +52,20 @@ class EntryPointTransport(Transport):
         return self._dir
 
     def load_peer(self, peer: PeerInfo, info: str) -> None:
-        """Consumer, once per producer: remember its directory (it must exist here)."""
-        if not os.path.isdir(info):
-            raise TransportUnavailableError(f"testep: agent {peer.agent_id}'s directory {info!r} is not here")
+        """Consumer, once per producer: remember its directory (made on its first export)."""
+        if not os.path.isabs(info) or not os.path.basename(info).startswith("tensorwire-testep-"):
+            raise TransportUnavailableError(f"testep: agent {peer.agent_id} published {info!r}, not a testep directory")
         with self._lock:
             self._peers[peer.agent_id] = info
             self.loads += 1
 
     def export(self, obj: StoredObject) -> bytes | None:
+        os.makedirs(self._dir, mode=0o700, exist_ok=True)  # consumers never make one
         name = secrets.token_hex(16)
         with open(os.path.join(self._dir, name), "wb") as f:
             for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
                 f.seek(meta.offset)
-                f.write(byte_view(tensor).numpy().tobytes())
+                f.write(memoryview(byte_view(tensor).numpy()))
         obj.transport_state[NAME] = name
         return name.encode()
 
