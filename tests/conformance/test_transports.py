@@ -24,13 +24,15 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.transport import get_transport_class, registered_transports
+from tensorwire.transport import get_transport_class, registered_transports, unregister_transport
 from tensorwire.transport.base import Capabilities, MemoryKind
 from tests.helpers import file_transport
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
-file_transport.register()
+# ``testfile`` is registered at run time, for this module only (a registration made in the
+# driver travels to every Ray actor and task it starts: it must not outlive the module).
+NAMES = sorted({*registered_transports(), file_transport.NAME})
 
 RAY_ENV = "TENSORWIRE_CONFORMANCE_RAY"
 OTHER_NODE = {"TENSORWIRE_NODE_ID": "conformance-node-b"}
@@ -61,6 +63,15 @@ class _InActor:
 
     def close(self) -> None:
         self._ray.kill(self._actor)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def testfile_registered():
+    added = file_transport.NAME not in registered_transports()
+    file_transport.register()
+    yield
+    if added:
+        unregister_transport(file_transport.NAME)
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -98,7 +109,7 @@ def other_processes(caps: Capabilities) -> bool:
     return caps.same_node or caps.cross_node
 
 
-@pytest.fixture(params=sorted(set(registered_transports())))
+@pytest.fixture(params=NAMES)
 def transport(request, consumers, agent):
     name = request.param
     caps = caps_of(name)

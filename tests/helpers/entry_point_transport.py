@@ -96,13 +96,13 @@ class EntryPointTransport(Transport):
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def install(directory: str | os.PathLike[str], *, name: str = NAME) -> pathlib.Path:
-    """Write the test distribution into ``directory``; returns the directory to put on
+def install(directory: str | os.PathLike[str], *, name: str = NAME, dist: str = DIST) -> pathlib.Path:
+    """Write the test distribution ``dist`` into ``directory``; returns the directory to put on
     ``sys.path``/``PYTHONPATH``. ``name`` is the entry point's name (the class's is ``testep``)."""
     site = pathlib.Path(directory)
-    info = site / f"{DIST}-0.1.dist-info"
+    info = site / f"{dist}-0.1.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST}\nVersion: 0.1\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
         f"[tensorwire.transports]\n{name} = tests.helpers.entry_point_transport:EntryPointTransport\n"
     )

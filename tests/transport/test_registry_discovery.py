@@ -123,7 +123,7 @@ def test_peer_setup_transport_needs_the_producers_connection_info():
     assert select(published, FAR, obj, caps, usable_here=frozenset(caps)).best == "p"
 
 
-def _python(code: str, env: dict[str, str]) -> str:
+def _python(code: str, env: dict[str, str]) -> tuple[str, str]:
     full = {
         **os.environ,
         **env,
@@ -133,28 +133,26 @@ def _python(code: str, env: dict[str, str]) -> str:
         [sys.executable, "-c", code], capture_output=True, text=True, env=full, cwd=ROOT, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return done.stdout.strip(), done.stderr
 
 
-def test_entry_point_and_environment_registrations_are_found_with_no_call(tmp_path):
-    site = entry_point_transport.install(tmp_path)
+def test_entry_points_and_the_environment_are_found_with_no_call(tmp_path):
+    """One fresh process with two distributions on its path (testep, and one that tries to
+    take the built-in name shm) and a ``TENSORWIRE_TRANSPORTS`` entry; this process has none."""
+    sites = [
+        entry_point_transport.install(tmp_path / "a"),
+        entry_point_transport.install(tmp_path / "b", name="shm", dist="shadow"),
+    ]
     code = (
-        "from tensorwire.transport import registry; "
-        f"print(registry.get_transport_class({entry_point_transport.NAME!r}).__name__, "
-        "registry.get_transport_class('shm').__name__)"
+        "from tensorwire.transport import registry as r; "
+        f"print(r.get_transport_class({entry_point_transport.NAME!r}).__name__, "
+        "r.get_transport_class('shm').__name__, 'from_env' in r.registered_transports())"
     )
-    assert _python(code, {"PYTHONPATH": str(site)}) == "EntryPointTransport ShmTransport"
-    target = "tests.helpers.entry_point_transport:EntryPointTransport"
-    env = {registry.ENV: f"{entry_point_transport.NAME}={target}"}
-    assert _python(code, env) == "EntryPointTransport ShmTransport"
-    code = "from tensorwire.transport import registry; print(registry.registered_transports())"
-    assert entry_point_transport.NAME not in _python(code, {})
-
-
-def test_entry_point_cannot_take_a_builtin_name(tmp_path):
-    site = entry_point_transport.install(tmp_path, name="shm")
-    code = "from tensorwire.transport import registry; print(registry.get_transport_class('shm').__name__)"
-    assert _python(code, {"PYTHONPATH": str(site)}) == "ShmTransport"
+    env = {"PYTHONPATH": os.pathsep.join(map(str, sites)), registry.ENV: "from_env=pkg.mod:Cls"}
+    out, err = _python(code, env)
+    assert out == "EntryPointTransport ShmTransport True"
+    assert "ignoring entry point 'shm'" in err and "a built-in transport has that name" in err
+    assert entry_point_transport.NAME not in registry.registered_transports()
 
 
 def test_runtime_registrations_are_importable_paths_only():
