@@ -49,6 +49,12 @@ class ActorConsumer:
         return _run(target, payload)
 
 
+@tw.remote
+def registered_in_task() -> list[str]:
+    """The transports a Ray task's process knows, with no call there."""
+    return registered_transports()
+
+
 class _InActor:
     def __init__(self, env: dict[str, str]) -> None:
         import ray
@@ -93,6 +99,8 @@ def consumers(request):
     with ray_session():
         tw.init(address="local", num_cpus=2, include_dashboard=False)
         made = {"same": _InActor({}), "other": _InActor(OTHER_NODE)}
+        in_task = tw.get(registered_in_task.remote(), timeout_s=120)  # the run-time registration reached it
+        assert file_transport.NAME in in_task, in_task
         try:
             yield made
         finally:
