@@ -35,8 +35,8 @@ def calibrate(nbytes: int = 64 << 20, repeats: int = 5, progress: Any = print) -
     with peers(median_fetch_seconds, agent.peer.node_id, "calibrate") as connections:
         for name in registry.registered_transports():
             caps = registry.get_transport_class(name).capabilities
-            if name in ("local", "inline"):
-                continue  # same process only / size-limited: not ranked by these numbers
+            if caps.carries_value or not (caps.same_node or caps.cross_node):
+                continue  # size-limited / same process only: not ranked by these numbers
             if name in agent.unusable_transports():
                 notes.append(f"{name}: not usable here ({agent.unusable_transports()[name]})")
                 continue

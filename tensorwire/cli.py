@@ -146,7 +146,7 @@ def _check_transport(
         reason = agent.unusable_transports()[name]
         results.append((f"transport {name}", "fail" if "failed to load" in reason else "warn", reason))
         return results
-    value = small if name == "inline" else large
+    value = small if caps.carries_value else large
     expected = digests[id(value)]
     if MemoryKind.HOST not in caps.memory:  # a GPU-only transport moves a GPU copy
         value = value.cuda(0)

@@ -19,6 +19,7 @@ __all__ = [
     "TensorwireError",
     "TransferAbortedError",
     "TransferTimeoutError",
+    "TransportContractError",
     "TransportError",
     "TransportUnavailableError",
     "UnknownConnectionError",
@@ -45,6 +46,11 @@ class NoTransportError(TransportError):
 
 class TransportUnavailableError(TransportError):
     """A transport is not usable in this process (missing library, device or resource)."""
+
+
+class TransportContractError(TensorwireError, TypeError):
+    """A transport class lacks a method that one of its capabilities requires (raised when it
+    is registered or first loaded; the message names the method and the capability)."""
 
 
 class TransferTimeoutError(TransportError):

@@ -39,6 +39,7 @@ from tensorwire.runtime.pending import pending_ref
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ray_env import configure_process, configured, mark_async_actor
 from tensorwire.runtime.ref import Ref
+from tensorwire.runtime.registrations import with_registrations
 
 __all__ = ["HOOK_METHOD", "ActorClass", "ActorHandle", "ActorMethod", "MethodOptions", "RemoteFunction",
            "check_transport", "get_actor", "make_handle", "method", "passthrough", "remote"]  # fmt: skip
@@ -333,7 +334,9 @@ class ActorClass:
     def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
         if self._ray_class is None:
             self._ray_class = _ray_remote(self._wrapped, self._options)
-        return make_handle(self._ray_class.remote(*args, **kwargs), self._methods)
+        options = with_registrations(self._options)  # run-time transport registrations
+        ray_class = self._ray_class if options is self._options else self._ray_class.options(**options)
+        return make_handle(ray_class.remote(*args, **kwargs), self._methods)
 
 
 class RemoteFunction:
@@ -369,7 +372,9 @@ class RemoteFunction:
         args, kwargs = _lift_pending(args, kwargs)
         if self._call:
             kwargs[_CALL_KWARG] = self._call
-        return pending_ref(self._task().remote(*args, **kwargs), staged=True)
+        task, options = self._task(), with_registrations(self._options)  # run-time transport registrations
+        task = task if options is self._options else task.options(**options)
+        return pending_ref(task.remote(*args, **kwargs), staged=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"remote function {self._fn.__name__} must be called with .remote(...)")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tensorwire.errors import UnresolvedRefError
 from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.transport import registry
 from tensorwire.transport.base import ObjectDescriptor, TensorMeta
 
 if TYPE_CHECKING:
@@ -59,8 +60,20 @@ class RefState(NamedTuple):
 
     @property
     def travels_inline(self) -> bool:
-        """The bytes travel inside the state, so no process needs to hold the owner's copy."""
-        return "inline" in self.handles
+        """The bytes travel inside the state (a ``carries_value`` transport's handle, e.g.
+        inline), so no process needs to hold the owner's copy."""
+        return carries_value(self.handles)
+
+
+def carries_value(handles: dict[str, bytes]) -> bool:
+    """Whether one of ``handles`` holds the object's bytes (``Capabilities.carries_value``)."""
+    for name in handles:
+        try:
+            if registry.get_transport_class(name).capabilities.carries_value:
+                return True
+        except (ValueError, TypeError, ImportError):  # not registered or broken here
+            continue
+    return False
 
 
 class Ref:
@@ -238,5 +251,5 @@ class Ref:
         handles = state.handles
         if state.desc.owner.agent_id == agent.peer.agent_id:
             handles = agent.export_handles(state.desc)
-        pin_id = b"" if "inline" in handles else agent.ref_pickled(state.desc)
+        pin_id = b"" if carries_value(handles) else agent.ref_pickled(state.desc)
         return state._replace(handles=handles, pin_id=pin_id)

@@ -2,11 +2,14 @@
 
 from tensorwire.transport.base import (
     Capabilities,
+    CostEstimate,
+    CostModel,
     DeviceInfo,
     FetchRequest,
     MemoryKind,
     ObjectDescriptor,
     PeerInfo,
+    Placement,
     StoredObject,
     TensorKind,
     TensorMeta,
@@ -22,11 +25,14 @@ from tensorwire.transport.registry import (
 
 __all__ = [
     "Capabilities",
+    "CostEstimate",
+    "CostModel",
     "DeviceInfo",
     "FetchRequest",
     "MemoryKind",
     "ObjectDescriptor",
     "PeerInfo",
+    "Placement",
     "StoredObject",
     "TensorKind",
     "TensorMeta",

@@ -53,6 +53,7 @@ from tensorwire.errors import (
 from tensorwire.transport import calibration, metrics, registry, selector, topology
 from tensorwire.transport.base import (
     Capabilities,
+    CostModel,
     FetchRequest,
     MemoryKind,
     ObjectDescriptor,
@@ -73,6 +74,7 @@ from tensorwire.transport.control import (
 )
 from tensorwire.transport.metrics import TransferRecord
 from tensorwire.transport.outbox import Outbox
+from tensorwire.transport.peer_setup import PeerSetup
 from tensorwire.transport.shutdown import run_bounded
 from tensorwire.transport.wire import HolderOpKind, ObjectState, decode_peer, encode_peer, messages
 
@@ -156,6 +158,7 @@ class Agent(TransportContext):
         )
         self._costs = calibration.load_costs()  # this machine's `tensorwire bench --calibrate`, if any
         self._selections: dict[tuple[Any, ...], selector.Selection] = {}
+        self._peer_setup = PeerSetup(self)  # one-sided transports' per-peer connection step
         self._refresh_transports()
         metrics.enable_prometheus()  # when prometheus-client is installed
         self._outbox = Outbox(
@@ -189,11 +192,13 @@ class Agent(TransportContext):
         self._registry_version = registry.version()
         names = registry.registered_transports()
         self._capabilities: dict[str, Capabilities] = {}
+        self._cost_models: dict[str, CostModel | None] = {}
         for name in names:
             try:
-                self._capabilities[name] = registry.get_transport_class(name).capabilities
+                cls = registry.get_transport_class(name)
             except Exception:  # noqa: BLE001 - a broken plug-in is simply not a candidate
                 continue
+            self._capabilities[name], self._cost_models[name] = cls.capabilities, cls.cost_model
         for name in names:
             if name in self._transports or name in self._unusable:
                 continue
@@ -202,6 +207,8 @@ class Agent(TransportContext):
                 reason = transport.unavailable_reason()
             except Exception as e:  # noqa: BLE001 - a broken plug-in must not break the agent
                 reason = f"failed to load: {type(e).__name__}: {e}"
+            if reason is None and transport.capabilities.peer_setup:
+                reason = self._peer_setup.publish(transport)
             if reason is None:
                 self._transports[name] = transport
             else:
@@ -265,7 +272,7 @@ class Agent(TransportContext):
                 for n, t in self._transports.items()
                 if t.capabilities.needs_export and not t.capabilities.export_per_consumer
             ]
-            exporters.sort(key=lambda n: n != "inline")
+            exporters.sort(key=lambda n: not self._transports[n].capabilities.carries_value)
             for name in exporters:
                 transport = self._transports[name]
                 if not memory <= transport.capabilities.memory:
@@ -282,8 +289,8 @@ class Agent(TransportContext):
                     continue
                 if handle is not None:
                     handles[name] = handle
-                    if name == "inline":
-                        break
+                    if transport.capabilities.carries_value:
+                        break  # the bytes travel in the reference: no other handle needed
             entry.handles = handles
             return dict(handles)
 
@@ -301,10 +308,10 @@ class Agent(TransportContext):
             except TensorwireError as e:
                 raise TransportError(f"{name} export failed: {e}") from None
             if handle is None:
-                limit = f"; inline takes at most {self._config.inline_max_nbytes} (TENSORWIRE_INLINE_NBYTES)"
+                limit = f"; {name} takes at most {self._config.inline_max_nbytes} (TENSORWIRE_INLINE_NBYTES)"
                 raise TransportError(
                     f"{name} declined to export this object of {entry.stored.nbytes} bytes"
-                    f"{limit if name == 'inline' else ''}",
+                    f"{limit if transport.capabilities.carries_value else ''}",
                 )
             if not per_consumer:  # a per-consumer handle is this consumer's alone
                 entry.handles = {**(entry.handles or {}), name: handle}
@@ -532,6 +539,7 @@ class Agent(TransportContext):
                 self._forget_peer(agent_id)
 
     def _forget_peer(self, agent_id: str) -> None:
+        self._peer_setup.forget(agent_id)
         for transport in list(self._transports.values()):
             try:
                 transport.forget_peer(agent_id)
@@ -871,11 +879,11 @@ class Agent(TransportContext):
         errors: list[str] = []
         names = [c.transport for c in selection.choices]
         # Bytes that travel inside the reference stay readable when the owner no longer has
-        # them (it does not track inline objects once they left, even when the reference comes
+        # them (it does not track such objects once they left, even when the reference comes
         # back to it and the selector ranks "local" first): the last resort, forced or not.
-        inline_rescue = forced != "inline" and "inline" in handles and "inline" in self._transports
-        if inline_rescue and "inline" not in names:
-            names.append("inline")
+        carriers = [n for n in handles if n != forced and n in self._transports and self._capabilities[n].carries_value]
+        inline_rescue = bool(carriers)
+        names += [n for n in carriers if n not in names]
         for name in names:
             instance = self._transports[name]
             attempt = replace(request, handle=handles.get(name))
@@ -887,6 +895,8 @@ class Agent(TransportContext):
                     )
                 if attempt.handle is None and instance.capabilities.needs_export:
                     attempt = replace(attempt, handle=self.request_export(attempt, name))
+                if instance.capabilities.peer_setup:
+                    self._peer_setup.ensure(instance, desc.owner)
                 if view and instance.capabilities.zero_copy_view:
                     tensors, zero_copy = instance.view(attempt), True
                     if instance.capabilities.needs_device_access:
@@ -896,7 +906,7 @@ class Agent(TransportContext):
                     instance.fetch(attempt, tensors)
                     zero_copy = False
             except (ObjectFreedError, OwnerDiedError, PeerLostError) as e:
-                if inline_rescue and name != "inline":
+                if inline_rescue and name not in carriers:
                     errors.append(f"{name}: {e}")
                     continue
                 if isinstance(e, PeerLostError):
@@ -937,6 +947,7 @@ class Agent(TransportContext):
                 usable_here=frozenset(self._transports),
                 forced=forced,
                 costs=self._costs,
+                cost_models=self._cost_models,
             )
             if len(self._selections) >= 1024:
                 self._selections.clear()

@@ -6,19 +6,26 @@ process that owns it (the *producer*) into buffers of the process that asked for
 leaves its process; the consumer pulls with no work on the producer) or two-sided (the
 consumer asks the producer's agent over the control service and both sides take part).
 
-Which methods a transport must implement follows from its :class:`Capabilities`:
+Which methods a transport must implement follows from its :class:`Capabilities`
+(:data:`REQUIRED_METHODS`; the registry checks it when a transport is registered or loaded):
 
-=====================  ==========================================================
-capability             methods
-=====================  ==========================================================
-every transport        ``fetch`` (consumer), ``release`` (producer, may be a no-op)
-``needs_export``       ``export`` (producer)
-``export_per_consumer`` ``export`` (producer, once per consumer process, on its request)
-``one_sided=False``    ``serve`` (producer, on an agent service thread); transports
-                       built on :class:`~tensorwire.transport.two_sided.TwoSidedTransport`
-                       implement its connection and post hooks instead
-``zero_copy_view``     ``view`` (consumer)
-=====================  ==========================================================
+=======================  ==========================================================
+capability               methods
+=======================  ==========================================================
+every transport          ``fetch`` (consumer), ``release`` (producer, may be a no-op)
+``needs_export``         ``export`` (producer)
+``export_per_consumer``  ``export`` (producer, once per consumer process, on its request)
+``one_sided=False``      ``serve`` (producer, on an agent service thread); transports
+                         built on :class:`~tensorwire.transport.two_sided.TwoSidedTransport`
+                         implement its connection and post hooks instead
+``zero_copy_view``       ``view`` (consumer)
+``peer_setup``           ``connection_info`` (any process, once) and ``load_peer``
+                         (consumer, once per producer, before its first fetch from it)
+``carries_value``        ``export`` (producer; the handle holds the bytes themselves)
+=======================  ==========================================================
+
+A transport also declares its default :class:`CostModel` (``cost_model``); the selector ranks
+by it until ``tensorwire bench --calibrate`` measured this machine.
 
 This module imports neither torch nor Ray at import time.
 """
@@ -40,12 +47,16 @@ if TYPE_CHECKING:
     from tensorwire.transport.config import Config
 
 __all__ = [
+    "REQUIRED_METHODS",
     "Capabilities",
+    "CostEstimate",
+    "CostModel",
     "DeviceInfo",
     "FetchRequest",
     "MemoryKind",
     "ObjectDescriptor",
     "PeerInfo",
+    "Placement",
     "StoredObject",
     "TensorKind",
     "TensorMeta",
@@ -59,6 +70,14 @@ class MemoryKind(enum.Enum):
 
     HOST = "host"
     CUDA = "cuda"
+
+
+class Placement(enum.Enum):
+    """Where the consumer is, seen from the producer."""
+
+    SAME_PROCESS = "same process"
+    SAME_NODE = "same node"
+    CROSS_NODE = "cross node"
 
 
 class TensorKind(enum.Enum):
@@ -95,6 +114,14 @@ class Capabilities:
             consumer process asks the owner for its own handle (``export`` runs once per
             consumer, through ``TransportContext.request_export``), e.g. because a handle may
             be opened only once (CUDA IPC reference counts).
+        peer_setup: A one-sided transport that needs per-peer state before its first fetch
+            from a producer (e.g. NIXL's agent metadata): every process publishes
+            ``connection_info()`` in its ``PeerInfo.transport_info``; a consumer calls
+            ``load_peer`` once per producer, on first use (the agent caches it).
+        carries_value: The export handle holds the object's bytes (``inline``): no other
+            handle is exported, the reference needs no pin or holder at the owner, and it is
+            the last resort when the owner no longer has the object. The handle's size is
+            limited by ``Config.inline_max_nbytes`` (the most bytes a reference carries).
     """
 
     one_sided: bool
@@ -110,6 +137,58 @@ class Capabilities:
     distinct_devices: bool = False
     export_per_consumer: bool = False
     torch_memory_only: bool = False
+    peer_setup: bool = False
+    carries_value: bool = False
+
+
+REQUIRED_METHODS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("needs_export", ("export",)),
+    ("export_per_consumer", ("export",)),
+    ("two_sided", ("serve",)),
+    ("zero_copy_view", ("view",)),
+    ("peer_setup", ("connection_info", "load_peer")),
+    ("carries_value", ("export",)),
+)
+"""(capability, methods a transport with it must define); ``two_sided`` is ``one_sided=False``."""
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """Fixed cost per transfer and sustained bandwidth of one transport."""
+
+    fixed_us: float
+    bandwidth_gbps: float  # GB/s (1e9 bytes per second)
+
+    def seconds(self, nbytes: int) -> float:
+        return self.fixed_us * 1e-6 + nbytes / (self.bandwidth_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A transport's default costs: fixed µs and GB/s per placement and memory kind.
+
+    ``entries`` are (placement, memory kind, cost); :meth:`estimate` looks up the placement
+    and the object's memory kinds (the slowest of them), falling back to the placement's
+    entry for any memory kind (staged transports), then to ``default``. Calibrated numbers
+    (``tensorwire bench --calibrate``) replace the whole model of a transport.
+    """
+
+    default: CostEstimate
+    entries: tuple[tuple[Placement, MemoryKind, CostEstimate], ...] = ()
+
+    @classmethod
+    def uniform(cls, fixed_us: float, bandwidth_gbps: float) -> CostModel:
+        """The same cost wherever the transport serves."""
+        return cls(CostEstimate(fixed_us, bandwidth_gbps))
+
+    def estimate(self, placement: Placement, memory: frozenset[MemoryKind]) -> CostEstimate:
+        """The cost of moving an object of ``memory`` kinds to a consumer at ``placement``."""
+        found = []
+        for kind in sorted(memory, key=lambda m: m.value) or [MemoryKind.HOST]:
+            exact = [c for p, m, c in self.entries if p is placement and m is kind]
+            any_kind = [c for p, _m, c in self.entries if p is placement]
+            found.append((exact or any_kind or [self.default])[0])
+        return max(found, key=lambda c: (c.fixed_us, -c.bandwidth_gbps)) if len(found) > 1 else found[0]
 
 
 @dataclass(frozen=True)
@@ -335,12 +414,13 @@ class TransportContext(ABC):
 class Transport(ABC):
     """One way of moving an object's bytes. One instance per agent (process).
 
-    Subclasses set ``name`` (the registry name) and ``capabilities``; the methods that their
-    capabilities call for are listed in this module's docstring.
+    Subclasses set ``name`` (the registry name), ``capabilities`` and ``cost_model``; the
+    methods that their capabilities call for are listed in this module's docstring.
     """
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
+    cost_model: ClassVar[CostModel | None] = None  # None: ranked last (UNKNOWN_COST)
 
     def __init__(self, context: TransportContext) -> None:
         self.context = context
@@ -372,6 +452,19 @@ class Transport(ABC):
         """Producer, on an agent service thread: set up a connection ``peer`` asked for with
         ``TransportContext.connect``; returns the answer for the peer. Two-sided only."""
         raise TransportUnavailableError(f"transport {self.name!r} takes no connections")
+
+    def connection_info(self) -> str:
+        """Any process, once, after ``unavailable_reason`` said usable: this process's
+        connection info (short text; binary data base64-encoded) that the agent publishes in
+        ``PeerInfo.transport_info``. Only for ``peer_setup``."""
+        raise TransportUnavailableError(f"transport {self.name!r} has no per-peer set-up")
+
+    def load_peer(self, peer: PeerInfo, info: str) -> None:
+        """Consumer, once per producer ``peer`` before the first fetch from it (the agent
+        caches success): load the ``info`` the peer published (``connection_info`` there).
+        Blocks while it loads; raises ``TransportUnavailableError`` when it cannot (the
+        fetch then falls back). Only for ``peer_setup``."""
+        raise TransportUnavailableError(f"transport {self.name!r} has no per-peer set-up")
 
     def forget_object(self, object_id: bytes) -> None:  # noqa: B027 - optional hook
         """Consumer: this process no longer holds a reference to ``object_id``; close what

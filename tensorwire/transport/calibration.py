@@ -1,9 +1,9 @@
 """Per-machine transport cost tables written by ``tensorwire bench --calibrate``.
 
-The selector ranks transports by ``fixed_us + bytes / bandwidth``; the defaults in
-:data:`~tensorwire.transport.selector.DEFAULT_COSTS` were measured on the project's build
-VM. A calibration measures this machine and writes a JSON table that every agent on the
-machine loads at start (entries override the defaults one by one):
+The selector ranks transports by ``fixed_us + bytes / bandwidth``; each transport declares
+a default ``cost_model`` (the built-ins' numbers were measured on the project's build VM). A
+calibration measures this machine and writes a JSON table that every agent on the machine
+loads at start (an entry replaces that transport's declared model):
 
 ``$TENSORWIRE_COSTS_FILE``, else ``$XDG_CONFIG_HOME/tensorwire/costs.json`` (default
 ``~/.config/tensorwire/costs.json``). A table written on another machine (different

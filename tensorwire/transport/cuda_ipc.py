@@ -44,7 +44,7 @@ import torch
 
 from tensorwire.errors import TransportError, TransportUnavailableError
 from tensorwire.transport import topology
-from tensorwire.transport.base import Capabilities, FetchRequest, MemoryKind, StoredObject, Transport
+from tensorwire.transport.base import Capabilities, CostModel, FetchRequest, MemoryKind, StoredObject, Transport
 
 __all__ = ["CudaIpcTransport", "IpcRecord", "decode_records", "encode_records"]
 
@@ -139,6 +139,7 @@ class CudaIpcTransport(Transport):
         export_per_consumer=True,
         torch_memory_only=True,
     )
+    cost_model = CostModel.uniform(fixed_us=100, bandwidth_gbps=1000.0)  # unverified until measured on GPUs
 
     def __init__(self, context: Any) -> None:
         super().__init__(context)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from tensorwire.errors import TransportError
 from tensorwire.transport import topology
-from tensorwire.transport.base import Capabilities, FetchRequest, MemoryKind
+from tensorwire.transport.base import Capabilities, CostModel, FetchRequest, MemoryKind
 from tensorwire.transport.pair_groups import (
     CONSUMER_RANK,
     PRODUCER_RANK,
@@ -69,6 +69,7 @@ class NcclTransport(PairGroupTransport):
         can_abort=True,
         distinct_devices=True,
     )
+    cost_model = CostModel.uniform(fixed_us=1500, bandwidth_gbps=200.0)  # unverified until measured on GPUs
     ordered = True
 
     def unavailable_reason(self) -> str | None:

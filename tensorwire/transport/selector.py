@@ -2,8 +2,10 @@
 
 The function looks only at its arguments (capabilities, peers, what the producer exported,
 the consumer's usable transports); it never probes or imports anything. Candidates that can
-serve are ranked by an estimated time ``fixed cost + bytes / bandwidth`` from
-:data:`DEFAULT_COSTS`; the result carries the reason for the choice and for every rejection.
+serve are ranked by an estimated time ``fixed cost + bytes / bandwidth``: a calibrated entry
+of this machine (``tensorwire bench --calibrate``) where there is one, else the transport's own
+declared :class:`~tensorwire.transport.base.CostModel` for the placement and memory kinds, else
+:data:`UNKNOWN_COST`; the result carries the reason for the choice and for every rejection.
 """
 
 from __future__ import annotations
@@ -11,37 +13,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
+from tensorwire.transport.base import Capabilities, CostEstimate, CostModel, MemoryKind, PeerInfo, Placement
 
-__all__ = ["DEFAULT_COSTS", "LINK_BANDWIDTH_GBPS", "Choice", "CostEstimate", "ObjectSummary", "Selection", "select"]
+__all__ = ["LINK_BANDWIDTH_GBPS", "UNKNOWN_COST", "Choice", "CostEstimate", "ObjectSummary", "Selection", "select"]
 
 CUDA = MemoryKind.CUDA
 
 
-@dataclass(frozen=True)
-class CostEstimate:
-    """Fixed cost per transfer and sustained bandwidth of one transport."""
-
-    fixed_us: float
-    bandwidth_gbps: float  # GB/s (1e9 bytes per second)
-
-    def seconds(self, nbytes: int) -> float:
-        return self.fixed_us * 1e-6 + nbytes / (self.bandwidth_gbps * 1e9)
-
-
-# Defaults measured on a 2-core CPU VM (see docs/architecture.md); unknown transports get
-# UNKNOWN_COST so that a plug-in is used when it is the only way, and ranked last otherwise.
-DEFAULT_COSTS: dict[str, CostEstimate] = {
-    "local": CostEstimate(fixed_us=2, bandwidth_gbps=1e6),
-    "inline": CostEstimate(fixed_us=5, bandwidth_gbps=2.0),
-    "shm": CostEstimate(fixed_us=60, bandwidth_gbps=5.0),
-    "host": CostEstimate(fixed_us=1500, bandwidth_gbps=1.0),
-    "ucx": CostEstimate(fixed_us=1500, bandwidth_gbps=4.0),
-    "gloo": CostEstimate(fixed_us=1700, bandwidth_gbps=2.0),
-    # GPU transports: unverified defaults until measured on a GPU (docs/performance.md).
-    "cuda_ipc": CostEstimate(fixed_us=100, bandwidth_gbps=1000.0),
-    "nccl": CostEstimate(fixed_us=1500, bandwidth_gbps=200.0),
-}
+# A transport that declares no cost model is used when it is the only way, and ranked last otherwise.
 UNKNOWN_COST = CostEstimate(fixed_us=5000, bandwidth_gbps=0.5)
 
 
@@ -112,6 +91,8 @@ def _why_not(  # noqa: PLR0917 - private helper over the selector's inputs
         return "the reference carries no handle for it (the object went inline, or export failed)"
     if not same_process and not caps.one_sided and not caps.needs_export and name not in src.transports:
         return "producer does not offer it"
+    if not same_process and caps.peer_setup and name not in dict(src.transport_info):
+        return "producer published no connection info for it"
     missing = obj.memory - caps.memory
     if missing and not caps.staged:
         kinds = ", ".join(sorted(m.value for m in missing))
@@ -169,6 +150,16 @@ def _devices(obj: ObjectSummary, link: str) -> str:
     return f", {src} -> {dst}" + (f" {_LINK_NAMES[link]}" if link else "")
 
 
+def _placement(src: PeerInfo, dst: PeerInfo) -> Placement:
+    if src.same_process(dst):
+        return Placement.SAME_PROCESS
+    return Placement.SAME_NODE if src.same_node(dst) else Placement.CROSS_NODE
+
+
+def _declared(model: CostModel | None, placement: Placement, memory: frozenset[MemoryKind]) -> CostEstimate:
+    return UNKNOWN_COST if model is None else model.estimate(placement, memory)
+
+
 def _where(src: PeerInfo, dst: PeerInfo) -> str:
     if src.same_process(dst):
         return "same process"
@@ -186,6 +177,7 @@ def select(
     usable_here: frozenset[str],
     forced: str = "",
     costs: Mapping[str, CostEstimate] | None = None,
+    cost_models: Mapping[str, CostModel | None] | None = None,
 ) -> Selection:
     """Rank the transports that can move ``obj`` from ``src`` (owner) to ``dst`` (consumer).
 
@@ -196,12 +188,17 @@ def select(
         capabilities: Every registered transport's capabilities, by name.
         usable_here: Transports that work in the consumer's process.
         forced: A transport name the user forced ("" for automatic). Only it is considered.
-        costs: Cost table overriding :data:`DEFAULT_COSTS` (calibration).
+        costs: This machine's calibrated costs by transport; an entry replaces the
+            transport's cost model.
+        cost_models: Every registered transport's declared cost model, by name (missing or
+            None: :data:`UNKNOWN_COST`).
 
     Returns:
         A :class:`Selection`; ``choices`` is empty when nothing can serve.
     """
-    table = {**DEFAULT_COSTS, **(costs or {})}
+    calibrated = costs or {}
+    models = cost_models or {}
+    placement = _placement(src, dst)
     link = _link(src, dst, obj)
     names = [forced] if forced else list(capabilities)
     choices: list[Choice] = []
@@ -210,7 +207,7 @@ def select(
         caps = capabilities.get(name)
         reason = "not registered" if caps is None else _why_not(name, caps, src, dst, obj, usable_here, bool(forced))
         if reason is None:
-            cost = table.get(name, UNKNOWN_COST)
+            cost = calibrated.get(name) or _declared(models.get(name), placement, obj.memory)
             if link in LINK_BANDWIDTH_GBPS and caps is not None and CUDA in caps.memory:
                 cost = CostEstimate(cost.fixed_us, min(cost.bandwidth_gbps, LINK_BANDWIDTH_GBPS[link]))
             choices.append(Choice(name, cost.seconds(obj.nbytes)))

@@ -37,6 +37,7 @@ from tensorwire.errors import TransportError, TransportUnavailableError
 from tensorwire.transport import memfd, topology
 from tensorwire.transport.base import (
     Capabilities,
+    CostModel,
     FetchRequest,
     StoredObject,
     TensorMeta,
@@ -62,6 +63,7 @@ class ShmTransport(Transport):
     capabilities = Capabilities(
         one_sided=True, same_process=False, same_node=True, cross_node=False, needs_export=True, zero_copy_view=True
     )
+    cost_model = CostModel.uniform(fixed_us=60, bandwidth_gbps=5.0)  # measured on the 2-core build VM
 
     def __init__(self, context: TransportContext) -> None:
         super().__init__(context)

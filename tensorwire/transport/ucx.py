@@ -33,7 +33,7 @@ import torch
 
 from tensorwire.errors import TransportError
 from tensorwire.transport import topology
-from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
+from tensorwire.transport.base import Capabilities, CostModel, MemoryKind, PeerInfo
 from tensorwire.transport.shutdown import CLOSE_TIMEOUT_S
 from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport
 
@@ -178,6 +178,7 @@ class UcxTransport(TwoSidedTransport):
         memory=frozenset({MemoryKind.HOST, MemoryKind.CUDA}),
         can_abort=True,
     )
+    cost_model = CostModel.uniform(fixed_us=1500, bandwidth_gbps=4.0)  # measured on the 2-core build VM
 
     def __init__(self, context: Any) -> None:
         super().__init__(context)

@@ -238,3 +238,23 @@ def transfers_serving() -> int:
 
 def agent_id() -> str:
     return tw.stats()["agent_id"]
+
+
+def view_and_write_with(ref: tw.Ref, transport: str) -> dict[str, Any]:
+    """:func:`view_and_write` with ``transport`` forced; adds the transport used."""
+    view = tw.get(ref, view=True, transport=transport)
+    record = tw.stats()["recent"][-1]
+    first = int(view[0])
+    view[0] = -1
+    again = tw.get(ref, view=True, transport=transport)
+    return {"zero_copy": record.zero_copy, "first": first, "after_write": int(view[0]), "again": int(again[0]),
+            "transport": record.transport}  # fmt: skip
+
+
+def reference_facts(ref: tw.Ref, transport: str) -> dict[str, Any]:
+    """What a received reference carries (handles, the owner's offered transports) and what a
+    fetch with ``transport`` forced delivered."""
+    state = ref._resolve()
+    value = tw.get(ref, transport=transport)
+    return {"digest": digest(value), "transport": tw.stats()["recent"][-1].transport,
+            "handles": sorted(state.handles), "offered": list(state.desc.owner.transports)}  # fmt: skip

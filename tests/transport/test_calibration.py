@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -9,18 +10,20 @@ import sys
 
 import pytest
 
-from tensorwire.transport import calibration, topology
+from tensorwire.transport import calibration, selector, topology
 from tensorwire.transport.base import DeviceInfo, MemoryKind, PeerInfo
 from tensorwire.transport.cuda_ipc import CudaIpcTransport
 from tensorwire.transport.host import HostTransport
 from tensorwire.transport.nccl import NcclTransport
-from tensorwire.transport.selector import CostEstimate, ObjectSummary, select
+from tensorwire.transport.selector import CostEstimate, ObjectSummary
 from tensorwire.transport.shm import ShmTransport
 from tensorwire.transport.wire import decode_peer, encode_peer
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
-CAPS = {t.name: t.capabilities for t in (ShmTransport, HostTransport, CudaIpcTransport, NcclTransport)}
+CLASSES = (ShmTransport, HostTransport, CudaIpcTransport, NcclTransport)
+CAPS = {t.name: t.capabilities for t in CLASSES}
+select = functools.partial(selector.select, cost_models={t.name: t.cost_model for t in CLASSES})
 ALL = frozenset(CAPS)
 HOST = frozenset({MemoryKind.HOST})
 CUDA = frozenset({MemoryKind.CUDA})

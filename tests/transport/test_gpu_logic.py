@@ -6,6 +6,7 @@ The transfers themselves are in ``tests/gpu`` (marked ``gpu`` / ``multi_gpu``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tensorwire.errors import TransportError
-from tensorwire.transport import topology
+from tensorwire.transport import selector, topology
 from tensorwire.transport.agent import _destinations
 from tensorwire.transport.base import Capabilities, DeviceInfo, MemoryKind, PeerInfo, TensorMeta
 from tensorwire.transport.cuda_ipc import CudaIpcTransport, IpcRecord, decode_records, encode_records
@@ -22,12 +23,15 @@ from tensorwire.transport.host import HostTransport
 from tensorwire.transport.inline import InlineTransport
 from tensorwire.transport.local import LocalTransport
 from tensorwire.transport.nccl import NcclTransport
-from tensorwire.transport.selector import ObjectSummary, select
+from tensorwire.transport.selector import ObjectSummary
 from tensorwire.transport.shm import ShmTransport
 from tensorwire.transport.ucx import UcxTransport
 
 CLASSES = (LocalTransport, InlineTransport, ShmTransport, HostTransport, GlooTransport, UcxTransport)
 CAPS = {t.name: t.capabilities for t in (*CLASSES, CudaIpcTransport, NcclTransport)}
+select = functools.partial(
+    selector.select, cost_models={t.name: t.cost_model for t in (*CLASSES, CudaIpcTransport, NcclTransport)}
+)
 ALL = frozenset(CAPS)
 CUDA = frozenset({MemoryKind.CUDA})
 

@@ -13,6 +13,9 @@ class Dummy(Transport):
     def fetch(self, request, dst):
         raise AssertionError("not used")
 
+    def serve(self, obj, params):
+        raise AssertionError("not used")
+
 
 def test_builtins_load_lazily_by_name():
     assert registry.get_transport_class("shm").__name__ == "ShmTransport"

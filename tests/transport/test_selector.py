@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
 
+from tensorwire.transport import selector
 from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
 from tensorwire.transport.gloo import GlooTransport
 from tensorwire.transport.host import HostTransport
 from tensorwire.transport.inline import InlineTransport
 from tensorwire.transport.local import LocalTransport
-from tensorwire.transport.selector import ObjectSummary, select
+from tensorwire.transport.selector import ObjectSummary
 from tensorwire.transport.shm import ShmTransport
 from tensorwire.transport.ucx import UcxTransport
 
-CAPS = {t.name: t.capabilities for t in (LocalTransport, InlineTransport, ShmTransport, HostTransport)}
+CLASSES = (LocalTransport, InlineTransport, ShmTransport, HostTransport, UcxTransport, GlooTransport)
+CAPS = {t.name: t.capabilities for t in CLASSES[:4]}
+MODELS = {t.name: t.cost_model for t in CLASSES}  # each transport's own declared cost model
+select = functools.partial(selector.select, cost_models=MODELS)
 ALL = frozenset(CAPS)
 HOST = frozenset({MemoryKind.HOST})
 
