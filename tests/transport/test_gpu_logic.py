@@ -14,7 +14,7 @@ import torch
 
 from tensorwire.errors import TransportError
 from tensorwire.transport import topology
-from tensorwire.transport.agent import _destinations
+from tensorwire.transport.fetch import destinations
 from tensorwire.transport.base import Capabilities, DeviceInfo, MemoryKind, PeerInfo, TensorMeta
 from tensorwire.transport.cuda_ipc import CudaIpcTransport, IpcRecord, decode_records, encode_records
 from tensorwire.transport.gloo import GlooTransport
@@ -138,11 +138,11 @@ def test_destinations_follow_what_the_transport_can_write():
     metas = (TensorMeta((4,), "float32", "cuda:0", 16, 0), TensorMeta((2,), "int64", "cuda:0", 16, 64))
     host_only = Capabilities(one_sided=False, same_process=False, same_node=True, cross_node=True)
     given = torch.zeros(4)
-    out = _destinations(metas, [given, None], [torch.device("cpu"), torch.device("cpu")], host_only)
+    out = destinations(metas, [given, None], [torch.device("cpu"), torch.device("cpu")], host_only)
     assert out[0] is given and out[1].device.type == "cpu" and out[1].dtype == torch.int64
     # A CUDA target with a host-only transport lands on the host (the caller moves it).
     fake_cuda_target = [torch.device("cuda", 0)] * 2
-    out = _destinations(metas, None, fake_cuda_target, host_only)
+    out = destinations(metas, None, fake_cuda_target, host_only)
     assert [t.device.type for t in out] == ["cpu", "cpu"]
 
 
