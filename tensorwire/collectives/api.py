@@ -50,7 +50,7 @@ def check_actors(actors: Sequence[ActorHandle], what: str) -> tuple[ActorHandle,
     for actor in actors:
         if not isinstance(actor, ActorHandle):
             raise TypeError(f"{what} takes actors made with @tw.remote, got {type(actor).__name__}")
-    ids = [a.ray_handle._actor_id for a in actors]
+    ids = [a.actor_id for a in actors]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{what}: an actor appears twice")
     return actors

@@ -258,7 +258,7 @@ class WeightSync:
 
     def _id_of(self, actor: ActorHandle) -> int:
         for rid, known in self._receivers.items():
-            if known.ray_handle._actor_id == actor.ray_handle._actor_id:
+            if known.actor_id == actor.actor_id:
                 return rid
         raise ValueError(f"{actor!r} is not a receiver of this WeightSync")
 

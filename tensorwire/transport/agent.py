@@ -81,7 +81,14 @@ class Agent(TransportContext):
             devices=topology.visible_devices(),
             gpu_links=topology.gpu_links(),
         )
-        token = cluster_token()
+        self._assemble(cluster_token(), agent_id)
+        self._refresh_transports()
+        metrics.enable_prometheus()  # when prometheus-client is installed
+        self._holders.start()
+        logger.debug("agent %s started: %s %s", agent_id, self._server.unix_address, self._server.tcp_address)
+
+    def _assemble(self, token: bytes, agent_id: str) -> None:
+        """Create the agent's parts and start its control service."""
         self._client = PeerClient(token=token, peer=lambda: self._peer, config=lambda: self._config)
         self._transports = LoadedTransports(self)
         self._store = ObjectStore(
@@ -126,10 +133,6 @@ class Agent(TransportContext):
             record=self._record,
             warn_once=self._warn_once,
         )
-        self._refresh_transports()
-        metrics.enable_prometheus()  # when prometheus-client is installed
-        self._holders.start()
-        logger.debug("agent %s started: %s %s", agent_id, self._server.unix_address, self._server.tcp_address)
 
     # ------------------------------------------------------------------ identity, transports
 

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from tensorwire.transport.config import Config
+    from tensorwire.transport.metrics import TransferRecord
 
 __all__ = [
     "Capabilities",
@@ -255,7 +256,13 @@ class FetchRequest:
 
 
 class TransportContext(ABC):
-    """What the per-process agent offers to the transports it creates."""
+    """What the per-process agent offers to the transports it creates and to collectives.
+
+    This is the whole contract: transports and collectives call nothing else on the agent.
+    The groups of methods: identity and settings; objects (producer and consumer); reaching
+    other agents; the rendezvous mailbox (small keyed values agents leave for one another,
+    by *group*: connection set-up, collective message channels and stores).
+    """
 
     @property
     @abstractmethod
@@ -304,19 +311,69 @@ class TransportContext(ABC):
 
     @abstractmethod
     def rendezvous_set(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
-        """Either side of a connection: publish ``key`` of ``group`` here and at ``peer``."""
+        """Either side of a connection: publish ``key`` of ``group`` here and at ``peer``.
+
+        Blocks until ``peer`` stored it (a dropped connection is retried once); raises the
+        mapped tensorwire error.
+        """
 
     @abstractmethod
     def rendezvous_push(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
-        """Set ``key`` of ``group`` at ``peer`` only (a member of a larger group telling another)."""
+        """Set ``key`` of ``group`` at ``peer`` only (a member of a larger group telling another).
+
+        Blocks like :meth:`rendezvous_set`; ``peer`` may be this process.
+        """
+
+    @abstractmethod
+    def rendezvous_push_async(
+        self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float
+    ) -> Callable[[], None]:
+        """Start :meth:`rendezvous_push` and return at once; the returned function blocks
+        until it is done and raises its error (a sender tells several peers at once)."""
 
     @abstractmethod
     def rendezvous_get(self, group: str, key: str, *, timeout_s: float) -> bytes:
-        """Either side: the value of ``key`` of ``group`` once set here or pushed by the peer."""
+        """Either side: the value of ``key`` of ``group`` once set here or pushed by the peer.
+
+        Blocks until then; raises ``TransferTimeoutError`` after ``timeout_s``.
+        """
+
+    @abstractmethod
+    def rendezvous_take(self, group: str, key: str, *, timeout_s: float) -> bytes:
+        """Like :meth:`rendezvous_get`, and remove the key (a message consumed once)."""
 
     @abstractmethod
     def rendezvous_forget(self, group: str) -> None:
-        """Drop every key of ``group`` (its connection is made or abandoned)."""
+        """Drop every key of ``group`` (its connection is made or abandoned). Never blocks."""
+
+    @abstractmethod
+    def export_handles(self, desc: ObjectDescriptor) -> dict[str, bytes]:
+        """Producer, for an object it owns: the one-sided transports' handles, made on the
+        first call (may block while a transport copies) and cached; ``{}`` if not owned here."""
+
+    @abstractmethod
+    def free(self, desc: ObjectDescriptor, *, timeout_s: float | None = None) -> None:
+        """Any process: free the object now at its owner. Idempotent; a dead owner is a
+        no-op. Blocks for the owner's answer (at most ``timeout_s``)."""
+
+    @abstractmethod
+    def fetch(
+        self,
+        desc: ObjectDescriptor,
+        handles: dict[str, bytes],
+        *,
+        dst: Sequence[torch.Tensor | None] | None,
+        targets: Sequence[torch.device] | None = None,
+        transport: str = "",
+        view: bool = False,
+        timeout_s: float | None = None,
+    ) -> tuple[list[torch.Tensor], TransferRecord]:
+        """Consumer: the object's tensors and the record of how they came, through the
+        transport the selector picks (or ``transport``), falling back on failure.
+
+        Blocks until every byte arrived or ``timeout_s`` passed; ``Agent.fetch`` documents
+        the arguments.
+        """
 
     @abstractmethod
     def check_owner(self, request: FetchRequest) -> None:

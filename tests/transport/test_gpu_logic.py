@@ -14,9 +14,9 @@ import torch
 
 from tensorwire.errors import TransportError
 from tensorwire.transport import topology
-from tensorwire.transport.fetch import destinations
 from tensorwire.transport.base import Capabilities, DeviceInfo, MemoryKind, PeerInfo, TensorMeta
 from tensorwire.transport.cuda_ipc import CudaIpcTransport, IpcRecord, decode_records, encode_records
+from tensorwire.transport.fetch import destinations
 from tensorwire.transport.gloo import GlooTransport
 from tensorwire.transport.host import HostTransport
 from tensorwire.transport.inline import InlineTransport
