@@ -199,8 +199,11 @@ class Holders:
             self._holder_seen[sender.agent_id] = now
             for op in ops:
                 entry = self._store.get(op.object_id)
-                valid = entry is not None and op.kind in _HOLDER_KINDS
-                if not valid or not hmac.compare_digest(entry.stored.token, op.token):
+                if (
+                    entry is None
+                    or op.kind not in _HOLDER_KINDS
+                    or not hmac.compare_digest(entry.stored.token, op.token)
+                ):
                     rejected += 1
                     continue
                 applied += 1
