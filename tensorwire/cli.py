@@ -176,7 +176,7 @@ def _ucx_report(agent: Any) -> list[tuple[str, str, str]]:
     """Which UCX transports are active here, and what is missing for fast cross-node paths."""
     from tensorwire.errors import TransportError
 
-    transport = agent._transports.get("ucx")
+    transport = agent.transports().get("ucx")
     if transport is None:
         return []
     try:

@@ -75,8 +75,8 @@ def _lift_pending(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, d
             return wrapped
         if not isinstance(item, Ref):
             return values.DESCEND
-        pending = item._pending
-        if item._state is not None or pending is None or pending.staged:
+        pending = item.pending
+        if item.state is not None or pending is None or pending.staged:
             return _as_plain(item)
         reduced = pending.reduce()  # a new transit pin, announced when this process resolves
         if reduced is None:
@@ -95,11 +95,9 @@ def _as_plain(ref: Ref) -> Ref:
     """``ref`` as an argument that pickles as a tensorwire reference: a resolved result of a
     Ray call is also a ``ray.ObjectRef``, which Ray would pass by its id instead. (No hold of
     its own: the copy lives only while the call's arguments are pickled.)"""
-    if type(ref) is Ref or ref._state is None:
+    if type(ref) is Ref or ref.state is None:
         return ref  # staged results do go by their id: Ray delivers the value
-    plain = Ref.__new__(Ref)
-    plain.__dict__.update(_state=ref._state, _skeleton=ref._skeleton, _pending=None, _moved_by="")
-    return plain
+    return ref.plain_copy()
 
 
 def method(
@@ -195,7 +193,7 @@ def _publish(result: Any, transport: str, snapshot: bool) -> Any:
     if snapshot:
         skeleton, tensors, _ = values.flatten(result)
         result = values.unflatten(skeleton, [t.clone() for t in tensors])
-    state = put(result)._outgoing_state()  # pinned until the caller registers
+    state = put(result).outgoing_state()  # pinned until the caller registers
     return Published(state._replace(transport=transport).to_bytes())
 
 
@@ -232,7 +230,7 @@ def _materialize(result: Any) -> Any:
     me = runtime_agent().peer.agent_id
 
     def leaf(item: Any, _path: str) -> Any:
-        if isinstance(item, Ref) and item._state is not None and item._state.desc.owner.agent_id == me:
+        if isinstance(item, Ref) and item.state is not None and item.state.desc.owner.agent_id == me:
             return get(item)
         return values.DESCEND
 

@@ -75,11 +75,11 @@ def init(address: str | None = None, **ray_init_kwargs: Any) -> None:
     """
     import ray
 
-    from tensorwire.transport import agent as agent_module
+    from tensorwire.transport.agent import current_agent, shutdown_agent
 
     if not ray.is_initialized():
         _start_ray(ray, address, ray_init_kwargs)
-    existing = agent_module._agent
+    existing = current_agent()
     expected_node_id = os.environ.get("TENSORWIRE_NODE_ID") or ray.get_runtime_context().get_node_id()
     if existing is not None and existing.peer.node_id != expected_node_id:
         if existing.owned_objects():
@@ -87,7 +87,7 @@ def init(address: str | None = None, **ray_init_kwargs: Any) -> None:
                 "tensorwire.init() must come before the first tensorwire.put() in this process: "
                 f"{existing.owned_objects()} object(s) are already owned by an agent started outside Ray"
             )
-        agent_module.shutdown_agent()
+        shutdown_agent()
     configure_process()
 
 
@@ -233,7 +233,7 @@ def _as_kind(tensor: torch.Tensor, kind: TensorKind) -> Any:
 
 
 def _get_staged(ref: Ref, device: Any, out: Any, timeout_s: float | None) -> Any:
-    value = ref._pending.get_staged(timeout_s)  # type: ignore[union-attr]
+    value = ref.pending.get_staged(timeout_s)  # type: ignore[union-attr]
     if device is None and out is None:
         return value
     skeleton, tensors, kinds = values.flatten(value)
@@ -263,17 +263,17 @@ def _get_one(
             return _get_object_ref(ref, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s)
         raise TypeError(f"tensorwire.get expects a Ref (or a list of Refs), got {type(ref).__name__}")
     if ref.is_staged:
-        ref._moved_by = "object_store"
+        ref.mark_moved("object_store")
         return _get_staged(ref, device, out, timeout_s)
     start = time.monotonic()
-    state = ref._resolve(timeout_s)
+    state = ref.resolve(timeout_s)
     if timeout_s is not None:
         timeout_s -= time.monotonic() - start
         if timeout_s <= 0:
             raise TransferTimeoutError("tensorwire.get: the deadline passed while waiting for the producing call")
     agent = runtime_agent()
     desc = state.desc
-    skeleton = ref._load_skeleton()
+    skeleton = ref.skeleton()
     outs, out_tensors = _matched_out(skeleton, out, desc.metas)
     same_process = desc.owner.agent_id == agent.peer.agent_id
     dst: list[torch.Tensor | None] | None = None
@@ -293,7 +293,7 @@ def _get_one(
         view=dst is None,
         timeout_s=timeout_s,
     )
-    ref._moved_by = record.transport
+    ref.mark_moved(record.transport)
     return _place(skeleton, tensors, desc.metas, targets, (outs, out_tensors))
 
 
@@ -306,10 +306,10 @@ def _as_ref(value: Any) -> Ref:
 def _get_object_ref(object_ref: Any, *, timeout_s: float | None, **options: Any) -> Any:
     """``tw.get`` of a plain Ray ``ObjectRef``: a reference it holds is fetched with the
     options; any other value is returned as Ray gives it."""
-    from tensorwire.runtime.pending import _ray_value
+    from tensorwire.runtime.pending import raw_value
 
     try:
-        value = _ray_value(object_ref, timeout_s)
+        value = raw_value(object_ref, timeout_s)
     except TimeoutError:
         raise TransferTimeoutError(f"the Ray call has not finished within {timeout_s} s") from None
     if isinstance(value, (Ref, RefState)) or type(value).__name__ == "Arrived":
@@ -389,7 +389,7 @@ def wait(refs: list[Ref], *, num_returns: int = 1, timeout_s: float | None = Non
         ready_ids = {id(r) for r in refs if r.ready()}
         if len(ready_ids) >= num_returns or (deadline is not None and time.monotonic() >= deadline):
             break
-        waiting = [r._pending.object_ref for r in refs if id(r) not in ready_ids and r._pending is not None]
+        waiting = [r.pending.object_ref for r in refs if id(r) not in ready_ids and r.pending is not None]
         if waiting:
             import ray
 
@@ -452,7 +452,7 @@ def free(ref: Ref) -> None:
         raise TypeError(f"tensorwire.free expects a Ref, got {type(ref).__name__}")
     if ref.is_staged:
         return
-    runtime_agent().free(ref._resolve().desc)
+    runtime_agent().free(ref.resolve().desc)
 
 
 def stats() -> dict[str, Any]:

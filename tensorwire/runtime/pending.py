@@ -33,7 +33,7 @@ from tensorwire.errors import OwnerDiedError, TransferTimeoutError
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ray_env import ray_result
 
-__all__ = ["Pending", "pending_ref"]
+__all__ = ["Pending", "pending_ref", "raw_value"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _state_of(value: Any) -> Any:
     return state_of(value)
 
 
-def _ray_value(object_ref: Any, timeout_s: float | None) -> Any:
+def raw_value(object_ref: Any, timeout_s: float | None) -> Any:
     """``object_ref``'s value as tensorwire reads it: the reference state, not the fetched value.
 
     Raises:
@@ -98,7 +98,7 @@ def _settle_orphan(box: _Unsettled) -> None:
 
 def _settle_orphan_now(box: _Unsettled) -> None:
     try:
-        state = _state_of(_ray_value(box.object_ref, None))
+        state = _state_of(raw_value(box.object_ref, None))
     except Exception:  # noqa: BLE001 - the call failed: it pinned nothing
         return
     try:
@@ -154,7 +154,7 @@ class Pending:
         """The resolved state; raises the call's error, or ``TransferTimeoutError``."""
         if not self._box.settled:
             try:
-                state = _state_of(_ray_value(self.object_ref, timeout_s))
+                state = _state_of(raw_value(self.object_ref, timeout_s))
             except TimeoutError:
                 raise TransferTimeoutError(f"the producing call has not finished within {timeout_s} s") from None
             except Exception as e:  # noqa: BLE001 - recorded, then raised below
@@ -170,7 +170,7 @@ class Pending:
         import ray
 
         try:
-            return _ray_value(self.object_ref, timeout_s)
+            return raw_value(self.object_ref, timeout_s)
         except TimeoutError:
             raise TransferTimeoutError(f"the task has not finished within {timeout_s} s") from None
         except ray.exceptions.RayError as e:

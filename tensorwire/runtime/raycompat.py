@@ -139,8 +139,8 @@ def state_of(value: Any) -> RefState:
         return value
     if isinstance(value, Arrived):
         return value.state
-    if isinstance(value, Ref) and value._state is not None:
-        return value._state
+    if isinstance(value, Ref) and value.state is not None:
+        return value.state
     if isinstance(value, bytes):
         return RefState.from_bytes(value)
     raise TypeError(f"a @tw.method call returned {type(value).__name__}, not a tensorwire reference state")

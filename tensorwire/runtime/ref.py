@@ -103,8 +103,23 @@ class Ref:
         """True for task results, which live in Ray's object store rather than with an owner."""
         return self._pending is not None and self._pending.staged
 
-    def _resolve(self, timeout_s: float | None = None) -> RefState:
-        """The state, waiting for a pending call to finish (raises its error)."""
+    @property
+    def state(self) -> RefState | None:
+        """What a direct reference carries; None while its call is pending, and for a staged
+        task result (the runtime reads it; users need not)."""
+        return self._state
+
+    @property
+    def pending(self) -> Pending | None:
+        """The producing Ray call of a pending or staged reference (None for a direct one)."""
+        return self._pending
+
+    def resolve(self, timeout_s: float | None = None) -> RefState:
+        """The state, waiting for a pending call to finish (raises its error).
+
+        Raises:
+            TypeError: A staged task result (it has no tensorwire state).
+        """
         if self._state is not None:
             return self._state
         if self._pending is None or self._pending.staged:
@@ -113,15 +128,15 @@ class Ref:
 
     @property
     def _desc(self) -> ObjectDescriptor:
-        return self._resolve().desc
+        return self.resolve().desc
 
     @property
     def _handles(self) -> dict[str, bytes]:
-        return self._resolve().handles
+        return self.resolve().handles
 
     @property
     def _skeleton_bytes(self) -> bytes:
-        return self._resolve().skeleton_bytes
+        return self.resolve().skeleton_bytes
 
     @property
     def default_transport(self) -> str:
@@ -130,9 +145,10 @@ class Ref:
             return self._state.transport
         return self._pending.transport if self._pending is not None else ""
 
-    def _load_skeleton(self) -> Any:
+    def skeleton(self) -> Any:
+        """The value's structure with its tensors replaced by slots (unpickled once)."""
         if self._skeleton is _UNLOADED:
-            self._skeleton = pickle.loads(self._resolve().skeleton_bytes)
+            self._skeleton = pickle.loads(self.resolve().skeleton_bytes)
         return self._skeleton
 
     def ready(self) -> bool:
@@ -169,10 +185,21 @@ class Ref:
     def owner_node_id(self) -> str:
         return self._desc.owner.node_id
 
+    def mark_moved(self, transport: str) -> None:
+        """Record that ``transport`` moved this reference's value here (read as :attr:`transport`)."""
+        self._moved_by = transport
+
+    def plain_copy(self) -> Ref:
+        """A direct :class:`Ref` of the same state that is not also a ``ray.ObjectRef`` and
+        counts no hold of its own (for a copy that lives only while it is pickled)."""
+        plain = Ref.__new__(Ref)
+        plain.__dict__.update(_state=self._state, _skeleton=self._skeleton, _pending=None, _moved_by="")
+        return plain
+
     def _single(self, what: str) -> TensorMeta:
         from tensorwire.runtime.values import Slot
 
-        if self.num_tensors != 1 or not isinstance(self._load_skeleton(), Slot):
+        if self.num_tensors != 1 or not isinstance(self.skeleton(), Slot):
             raise AttributeError(
                 f"Ref.{what} exists only for a value that is a single tensor; this value holds "
                 f"{self.num_tensors} tensor(s): use Ref.metas"
@@ -240,13 +267,13 @@ class Ref:
             if reduced is not None:
                 return reduced
             self._state = self._pending.wait(0)  # resolved meanwhile: travel as a direct ref
-        return (Ref, (self._outgoing_state(),))
+        return (Ref, (self.outgoing_state(),))
 
-    def _outgoing_state(self) -> RefState:
+    def outgoing_state(self) -> RefState:
         """The state for a copy of this reference that leaves the process: the owner exports
         one-sided handles first, and the object is pinned until the copy is received (unless
         its bytes travel inline)."""
-        state = self._resolve()
+        state = self.resolve()
         agent = runtime_agent()
         handles = state.handles
         if state.desc.owner.agent_id == agent.peer.agent_id:

@@ -40,11 +40,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tensorwire.errors import TransportUnavailableError
+from tensorwire.transport.costs import CostEstimate, CostModel, MemoryKind, Placement
 
 if TYPE_CHECKING:
     import torch
 
     from tensorwire.transport.config import Config
+    from tensorwire.transport.metrics import TransferRecord
 
 __all__ = [
     "REQUIRED_METHODS",
@@ -63,21 +65,6 @@ __all__ = [
     "Transport",
     "TransportContext",
 ]
-
-
-class MemoryKind(enum.Enum):
-    """Where the bytes of a tensor live."""
-
-    HOST = "host"
-    CUDA = "cuda"
-
-
-class Placement(enum.Enum):
-    """Where the consumer is, seen from the producer."""
-
-    SAME_PROCESS = "same process"
-    SAME_NODE = "same node"
-    CROSS_NODE = "cross node"
 
 
 class TensorKind(enum.Enum):
@@ -150,45 +137,6 @@ REQUIRED_METHODS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("carries_value", ("export",)),
 )
 """(capability, methods a transport with it must define); ``two_sided`` is ``one_sided=False``."""
-
-
-@dataclass(frozen=True)
-class CostEstimate:
-    """Fixed cost per transfer and sustained bandwidth of one transport."""
-
-    fixed_us: float
-    bandwidth_gbps: float  # GB/s (1e9 bytes per second)
-
-    def seconds(self, nbytes: int) -> float:
-        return self.fixed_us * 1e-6 + nbytes / (self.bandwidth_gbps * 1e9)
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """A transport's default costs: fixed µs and GB/s per placement and memory kind.
-
-    ``entries`` are (placement, memory kind, cost); :meth:`estimate` looks up the placement
-    and the object's memory kinds (the slowest of them), falling back to the placement's
-    entry for any memory kind (staged transports), then to ``default``. Calibrated numbers
-    (``tensorwire bench --calibrate``) replace the whole model of a transport.
-    """
-
-    default: CostEstimate
-    entries: tuple[tuple[Placement, MemoryKind, CostEstimate], ...] = ()
-
-    @classmethod
-    def uniform(cls, fixed_us: float, bandwidth_gbps: float) -> CostModel:
-        """The same cost wherever the transport serves."""
-        return cls(CostEstimate(fixed_us, bandwidth_gbps))
-
-    def estimate(self, placement: Placement, memory: frozenset[MemoryKind]) -> CostEstimate:
-        """The cost of moving an object of ``memory`` kinds to a consumer at ``placement``."""
-        found = []
-        for kind in sorted(memory, key=lambda m: m.value) or [MemoryKind.HOST]:
-            exact = [c for p, m, c in self.entries if p is placement and m is kind]
-            any_kind = [c for p, _m, c in self.entries if p is placement]
-            found.append((exact or any_kind or [self.default])[0])
-        return max(found, key=lambda c: (c.fixed_us, -c.bandwidth_gbps)) if len(found) > 1 else found[0]
 
 
 @dataclass(frozen=True)
@@ -334,7 +282,13 @@ class FetchRequest:
 
 
 class TransportContext(ABC):
-    """What the per-process agent offers to the transports it creates."""
+    """What the per-process agent offers to the transports it creates and to collectives.
+
+    This is the whole contract: transports and collectives call nothing else on the agent.
+    The groups of methods: identity and settings; objects (producer and consumer); reaching
+    other agents; the rendezvous mailbox (small keyed values agents leave for one another,
+    by *group*: connection set-up, collective message channels and stores).
+    """
 
     @property
     @abstractmethod
@@ -383,19 +337,69 @@ class TransportContext(ABC):
 
     @abstractmethod
     def rendezvous_set(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
-        """Either side of a connection: publish ``key`` of ``group`` here and at ``peer``."""
+        """Either side of a connection: publish ``key`` of ``group`` here and at ``peer``.
+
+        Blocks until ``peer`` stored it (a dropped connection is retried once); raises the
+        mapped tensorwire error.
+        """
 
     @abstractmethod
     def rendezvous_push(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
-        """Set ``key`` of ``group`` at ``peer`` only (a member of a larger group telling another)."""
+        """Set ``key`` of ``group`` at ``peer`` only (a member of a larger group telling another).
+
+        Blocks like :meth:`rendezvous_set`; ``peer`` may be this process.
+        """
+
+    @abstractmethod
+    def rendezvous_push_async(
+        self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float
+    ) -> Callable[[], None]:
+        """Start :meth:`rendezvous_push` and return at once; the returned function blocks
+        until it is done and raises its error (a sender tells several peers at once)."""
 
     @abstractmethod
     def rendezvous_get(self, group: str, key: str, *, timeout_s: float) -> bytes:
-        """Either side: the value of ``key`` of ``group`` once set here or pushed by the peer."""
+        """Either side: the value of ``key`` of ``group`` once set here or pushed by the peer.
+
+        Blocks until then; raises ``TransferTimeoutError`` after ``timeout_s``.
+        """
+
+    @abstractmethod
+    def rendezvous_take(self, group: str, key: str, *, timeout_s: float) -> bytes:
+        """Like :meth:`rendezvous_get`, and remove the key (a message consumed once)."""
 
     @abstractmethod
     def rendezvous_forget(self, group: str) -> None:
-        """Drop every key of ``group`` (its connection is made or abandoned)."""
+        """Drop every key of ``group`` (its connection is made or abandoned). Never blocks."""
+
+    @abstractmethod
+    def export_handles(self, desc: ObjectDescriptor) -> dict[str, bytes]:
+        """Producer, for an object it owns: the one-sided transports' handles, made on the
+        first call (may block while a transport copies) and cached; ``{}`` if not owned here."""
+
+    @abstractmethod
+    def free(self, desc: ObjectDescriptor, *, timeout_s: float | None = None) -> None:
+        """Any process: free the object now at its owner. Idempotent; a dead owner is a
+        no-op. Blocks for the owner's answer (at most ``timeout_s``)."""
+
+    @abstractmethod
+    def fetch(
+        self,
+        desc: ObjectDescriptor,
+        handles: dict[str, bytes],
+        *,
+        dst: Sequence[torch.Tensor | None] | None,
+        targets: Sequence[torch.device] | None = None,
+        transport: str = "",
+        view: bool = False,
+        timeout_s: float | None = None,
+    ) -> tuple[list[torch.Tensor], TransferRecord]:
+        """Consumer: the object's tensors and the record of how they came, through the
+        transport the selector picks (or ``transport``), falling back on failure.
+
+        Blocks until every byte arrived or ``timeout_s`` passed; ``Agent.fetch`` documents
+        the arguments.
+        """
 
     @abstractmethod
     def check_owner(self, request: FetchRequest) -> None:

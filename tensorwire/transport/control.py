@@ -143,24 +143,11 @@ def status_of(error: TensorwireError) -> tuple[grpc.StatusCode, str]:
     raise AssertionError("unreachable: TensorwireError is the last entry")  # pragma: no cover
 
 
-class RequestError(Exception):
-    """Deprecated: raise a tensorwire error instead (:data:`STATUS_OF` maps it). Kept only so
-    that handler code not yet converted still answers with its status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-def _abort(context: grpc.ServicerContext, error: TensorwireError | RequestError) -> None:
+def _abort(context: grpc.ServicerContext, error: TensorwireError) -> None:
     """Answer the call with ``error``'s status (raises, as ``context.abort`` does)."""
-    if isinstance(error, TensorwireError):
-        code, name = status_of(error)
-        context.set_trailing_metadata(((_ERROR_METADATA, name),))
-        context.abort(code, str(error))
-    elif isinstance(error, RequestError):
-        context.abort(error.code, error.details)
+    code, name = status_of(error)
+    context.set_trailing_metadata(((_ERROR_METADATA, name),))
+    context.abort(code, str(error))
 
 
 def _identity(data: bytes) -> bytes:
@@ -240,7 +227,7 @@ class ControlServer:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing cluster token")
             try:
                 return fn(request)
-            except (TensorwireError, RequestError) as e:
+            except TensorwireError as e:
                 _abort(context, e)
 
         return method
@@ -254,7 +241,7 @@ class ControlServer:
                     if not context.is_active():
                         return
                     yield chunk
-            except (TensorwireError, RequestError) as e:
+            except TensorwireError as e:
                 _abort(context, e)
             except Exception as e:
                 logger.warning("serving a transfer failed: %s", e, exc_info=True)

@@ -88,9 +88,9 @@ def descendants() -> frozenset[int]:
 
 def owned_objects() -> int:
     """Objects this process's agent owns (0 when no agent runs; never starts one)."""
-    from tensorwire.transport import agent as agent_module
+    from tensorwire.transport.agent import current_agent
 
-    instance = agent_module._agent
+    instance = current_agent()
     return instance.owned_objects() if instance is not None else 0
 
 

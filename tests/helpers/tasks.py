@@ -173,14 +173,14 @@ def get_concurrently(refs: list[tw.Ref], transport: str) -> list[str]:
 def two_sided_connections(transport: str) -> int:
     from tensorwire.transport.agent import get_agent
 
-    return get_agent()._transports[transport].connections()
+    return get_agent().transports()[transport].connections()
 
 
 def forget_connections(transport: str) -> int:
     """Drop every connection of ``transport`` in this process (as after a peer loss)."""
     from tensorwire.transport.agent import get_agent
 
-    instance = get_agent()._transports[transport]
+    instance = get_agent().transports()[transport]
     for agent_id in {c.peer.agent_id for c in (*instance._outgoing.values(), *instance._incoming.values())}:
         instance.forget_peer(agent_id)
     return instance.connections()
@@ -189,7 +189,7 @@ def forget_connections(transport: str) -> int:
 def ucx_active_transports() -> list[str]:
     from tensorwire.transport.agent import get_agent
 
-    return get_agent()._transports["ucx"].worker().transports
+    return get_agent().transports()["ucx"].worker().transports
 
 
 class DLPackOnly:

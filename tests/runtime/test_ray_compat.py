@@ -56,7 +56,7 @@ def test_a_reference_used_as_its_value_names_tw_get():
 
 def test_published_state_outside_ray_get_and_in_raw_mode():
     ref = tw.put(torch.full((100_000,), 2.0))
-    published = Published(ref._outgoing_state().to_bytes())
+    published = Published(ref.outgoing_state().to_bytes())
     with raw_states():
         assert isinstance(pickle.loads(pickle.dumps(published)), RefState)
     arrived = pickle.loads(pickle.dumps(published))  # no ray.get on the stack: a reference, untouched

@@ -15,9 +15,9 @@ import torch
 
 from tensorwire.errors import TransportError
 from tensorwire.transport import selector, topology
-from tensorwire.transport.agent import _destinations
 from tensorwire.transport.base import Capabilities, DeviceInfo, MemoryKind, PeerInfo, TensorMeta
 from tensorwire.transport.cuda_ipc import CudaIpcTransport, IpcRecord, decode_records, encode_records
+from tensorwire.transport.fetch import destinations
 from tensorwire.transport.gloo import GlooTransport
 from tensorwire.transport.host import HostTransport
 from tensorwire.transport.inline import InlineTransport
@@ -142,11 +142,11 @@ def test_destinations_follow_what_the_transport_can_write():
     metas = (TensorMeta((4,), "float32", "cuda:0", 16, 0), TensorMeta((2,), "int64", "cuda:0", 16, 64))
     host_only = Capabilities(one_sided=False, same_process=False, same_node=True, cross_node=True)
     given = torch.zeros(4)
-    out = _destinations(metas, [given, None], [torch.device("cpu"), torch.device("cpu")], host_only)
+    out = destinations(metas, [given, None], [torch.device("cpu"), torch.device("cpu")], host_only)
     assert out[0] is given and out[1].device.type == "cpu" and out[1].dtype == torch.int64
     # A CUDA target with a host-only transport lands on the host (the caller moves it).
     fake_cuda_target = [torch.device("cuda", 0)] * 2
-    out = _destinations(metas, None, fake_cuda_target, host_only)
+    out = destinations(metas, None, fake_cuda_target, host_only)
     assert [t.device.type for t in out] == ["cpu", "cpu"]
 
 
@@ -158,7 +158,7 @@ def test_gpu_transports_say_why_they_cannot_run_here():
     assert NcclTransport(context).unavailable_reason() == "no CUDA device visible to this process"
 
 
-def test_nccl_refuses_one_gpu_and_host_destinations():
+def test_nccl_refuses_one_gpu_and_hostdestinations():
     transport = NcclTransport(SimpleNamespace(config=None))
     meta = TensorMeta((4,), "float32", "cuda:0", 16, 0, device_uuid="GPU-x")
     request = SimpleNamespace(metas=(meta,))

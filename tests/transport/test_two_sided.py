@@ -114,7 +114,7 @@ def test_consumer_killed_mid_transfer(transport, owner):
 
     warm = torch.arange(1 << 18, dtype=torch.int32)
     assert owner.call("tests.helpers.tasks:get_digest", tw.put(warm), transport=transport) == digest(warm)
-    instance = get_agent()._transports[transport]
+    instance = get_agent().transports()[transport]
     consumer = owner.call("tests.helpers.tasks:agent_id")
 
     def connected() -> bool:  # this producer still holds a connection to the consumer

@@ -20,7 +20,7 @@ def _request(ref: tw.Ref, handle: bytes | None) -> FetchRequest:
 
 def test_inline_fetch_of_a_reference_without_inline_data(agent):
     ref = tw.put(torch.arange(10, dtype=torch.int64))
-    inline = agent._transports["inline"]
+    inline = agent.transports()["inline"]
     out = [torch.zeros(10, dtype=torch.int64)]
     with pytest.raises(tw.TransportUnavailableError, match="the reference carries no inline data"):
         inline.fetch(_request(ref, None), out)
@@ -30,7 +30,7 @@ def test_inline_fetch_of_a_reference_without_inline_data(agent):
 
 @pytest.mark.parametrize("name", ["shm", "inline", "local"])
 def test_one_sided_transports_refuse_two_sided_calls(agent, name):
-    transport = agent._transports[name]
+    transport = agent.transports()[name]
     with pytest.raises(tw.TransportUnavailableError, match=f"transport '{name}' is not two-sided"):
         transport.serve(None, b"")
     with pytest.raises(tw.TransportUnavailableError, match=f"transport '{name}' takes no connections"):
@@ -38,6 +38,6 @@ def test_one_sided_transports_refuse_two_sided_calls(agent, name):
 
 
 def test_two_sided_transports_do_not_export_handles(agent):
-    host = agent._transports["host"]
+    host = agent.transports()["host"]
     with pytest.raises(tw.TransportUnavailableError, match="transport 'host' does not export handles"):
         host.export(None)

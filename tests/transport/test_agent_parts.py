@@ -1,0 +1,120 @@
+"""The agent's parts and the public accessors other modules use instead of private attributes."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+
+import tensorwire as tw
+from tensorwire.errors import (
+    ObjectFreedError,
+    PermissionDeniedError,
+    TensorwireError,
+    TransferAbortedError,
+    TransferTimeoutError,
+    TransportError,
+)
+from tensorwire.runtime.handles import ActorHandle
+from tensorwire.transport import agent as agent_module
+from tensorwire.transport.base import Transport, TransportContext
+from tensorwire.transport.control import status_of
+from tensorwire.transport.rendezvous import MAX_GROUPS, Mailbox
+from tensorwire.transport.service import statuses
+
+
+def test_transports_are_the_usable_instances_by_name(agent):
+    transports = agent.transports()
+    assert list(transports) == agent.stats()["transports_usable"]
+    assert {"local", "inline", "shm", "host"} <= set(transports)
+    for name, instance in transports.items():
+        assert isinstance(instance, Transport) and instance.name == name and instance.context is agent
+    transports.pop("host")  # a copy: the agent keeps its own
+    assert "host" in agent.transports()
+    assert not set(agent.transports()) & set(agent.unusable_transports())
+
+
+def test_current_agent_never_starts_one():
+    agent_module.shutdown_agent()
+    assert agent_module.current_agent() is None
+    started = agent_module.get_agent()
+    assert agent_module.current_agent() is started
+    agent_module.shutdown_agent()
+    assert agent_module.current_agent() is None
+
+
+def test_the_agent_is_a_complete_transport_context(agent):
+    assert isinstance(agent, TransportContext)
+    assert not TransportContext.__abstractmethods__ - set(dir(agent))
+    for name in ("rendezvous_push_async", "rendezvous_take", "fetch", "free", "export_handles"):
+        assert name in TransportContext.__abstractmethods__, name
+
+
+def test_rendezvous_with_itself_through_the_context(agent):
+    wait = agent.rendezvous_push_async(agent.peer, "test-parts", "a", b"1", timeout_s=5)
+    wait()
+    agent.rendezvous_push(agent.peer, "test-parts", "b", b"2", timeout_s=5)
+    assert agent.rendezvous_get("test-parts", "a", timeout_s=5) == b"1"
+    assert agent.rendezvous_take("test-parts", "b", timeout_s=5) == b"2"
+    with pytest.raises(TransferTimeoutError, match="key 'b' not set before the deadline"):
+        agent.rendezvous_take("test-parts", "b", timeout_s=0.0)  # taken once
+    agent.rendezvous_forget("test-parts")
+    with pytest.raises(TransferTimeoutError, match="rendezvous test-parts: key 'a'"):
+        agent.rendezvous_get("test-parts", "a", timeout_s=0.0)
+
+
+def test_mailbox_wakes_a_waiting_reader_and_drops_the_oldest_groups():
+    box = Mailbox()
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(box.wait("g", "k", timeout_s=60)))
+    reader.start()
+    box.put("g", "k", b"value")
+    reader.join(60)
+    assert got == [b"value"]
+    for i in range(MAX_GROUPS + 1):
+        box.put(f"group-{i}", "k", b"x")
+    with pytest.raises(TransferTimeoutError):
+        box.wait("g", "k", timeout_s=0.0)  # the oldest group went first
+    assert box.wait(f"group-{MAX_GROUPS}", "k", timeout_s=0.0) == b"x"
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "details"),
+    [
+        (ObjectFreedError("gone"), grpc.StatusCode.NOT_FOUND, "gone"),
+        (PermissionDeniedError("token"), grpc.StatusCode.PERMISSION_DENIED, "token"),
+        (TransportError("broke"), grpc.StatusCode.ABORTED, "x: broke"),
+    ],
+)
+def test_one_mapping_of_errors_to_statuses(error, code, details):
+    with pytest.raises(TensorwireError) as raised, statuses(TransferAbortedError, prefix="x: "):
+        raise error
+    assert (status_of(raised.value)[0], str(raised.value)) == (code, details)
+
+
+def test_ref_accessors(agent):
+    value = torch.arange(6, dtype=torch.int32)
+    ref = tw.put({"w": value})
+    state = ref.state
+    assert state is not None and ref.pending is None
+    assert ref.resolve() is state and state.desc.owner.agent_id == agent.peer.agent_id
+    assert ref.skeleton() is ref.skeleton()  # unpickled once
+    copy = ref.plain_copy()
+    assert type(copy) is tw.Ref and copy.state is state and copy.pending is None
+    assert ref.transport == ""
+    assert torch.equal(tw.get(ref)["w"], value)
+    assert ref.transport == "local"
+    ref.mark_moved("shm")
+    assert ref.transport == "shm"
+    outgoing = ref.outgoing_state()
+    assert outgoing.desc == state.desc and outgoing.handles  # exported when a copy leaves
+    agent.consume_pin(outgoing.desc, outgoing.pin_id)
+
+
+def test_actor_id_is_the_ray_actor_id_as_hex():
+    handle = ActorHandle.__new__(ActorHandle)
+    handle.__dict__.update(ray_handle=SimpleNamespace(_actor_id=bytes.fromhex("00ab")), _methods=None)
+    assert handle.actor_id == "00ab"
