@@ -254,7 +254,7 @@ def view_and_write_with(ref: tw.Ref, transport: str) -> dict[str, Any]:
 def reference_facts(ref: tw.Ref, transport: str) -> dict[str, Any]:
     """What a received reference carries (handles, the owner's offered transports) and what a
     fetch with ``transport`` forced delivered."""
-    state = ref._resolve()
+    state = ref.resolve()
     value = tw.get(ref, transport=transport)
     return {"digest": digest(value), "transport": tw.stats()["recent"][-1].transport,
             "handles": sorted(state.handles), "offered": list(state.desc.owner.transports)}  # fmt: skip

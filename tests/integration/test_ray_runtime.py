@@ -67,7 +67,7 @@ def test_thousand_tensor_state_dict(producer, consumer):
 
 def test_tasks_consume_refs_and_stage_results(producer):
     ref = producer.tensor.remote(300_000, fill=6)
-    assert ray.get(task_digest.remote(ref)._pending.object_ref) == digest(torch.full((300_000,), 6, dtype=torch.uint8))
+    assert ray.get(task_digest.remote(ref).pending.object_ref) == digest(torch.full((300_000,), 6, dtype=torch.uint8))
     staged = task_make.remote(100_000)
     assert staged.is_staged
     value = tw.get(staged)
@@ -141,7 +141,7 @@ def test_caller_drops_ref_before_consumers_resolve_it(producer):
 
 def test_unresolved_refs_kept_by_a_consumer(producer, consumer):
     ref = producer.tensor.remote(100_000, fill=8)
-    ray.get(consumer.keep_ref.remote(ref)._pending.object_ref)
+    ray.get(consumer.keep_ref.remote(ref).pending.object_ref)
     del ref
     gc.collect()
     time.sleep(0.3)
@@ -184,7 +184,7 @@ def test_consumer_killed_releases_its_holds(producer):
     before = ray.get(producer.owned.remote())
     holder = Consumer.remote()
     ref = producer.tensor.remote(200_000)
-    ray.get(holder.keep_ref.remote(ref)._pending.object_ref)
+    ray.get(holder.keep_ref.remote(ref).pending.object_ref)
     ray.get(holder.get_kept.remote())
     del ref
     gc.collect()

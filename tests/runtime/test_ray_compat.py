@@ -30,7 +30,7 @@ _pytree.register_pytree_node(Pair, lambda p: ([p.left, p.right], None), lambda c
 
 def test_inline_value_back_in_its_producer_after_it_let_go():
     ref = tw.put(torch.arange(10, dtype=torch.int32))  # 40 bytes: travels inline
-    state = pickle.loads(pickle.dumps(ref))._state  # as a copy that left and came back carries it
+    state = pickle.loads(pickle.dumps(ref)).state  # as a copy that left and came back carries it
     assert "inline" in state.handles
     del ref
     gc.collect()
@@ -48,7 +48,7 @@ def test_a_reference_used_as_its_value_names_tw_get():
     assert bool(ref) and not hasattr(ref, "keys")  # hasattr stays quiet (also an AttributeError)
     with pytest.raises(AttributeError, match="single tensor"):
         _ = ref.shape  # a property's own error is kept
-    arrived = Arrived(ref._state)
+    arrived = Arrived(ref.state)
     with pytest.raises(tw.UnresolvedRefError, match=r"tw\.get"):
         arrived.sum()
     assert torch.equal(tw.get(arrived)["w"], torch.ones(3))
