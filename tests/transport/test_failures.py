@@ -87,7 +87,7 @@ def test_forged_token_is_denied(owner, transport):
     segment's address included), reads nothing on any transport."""
     ref, expected = owner.call("tests.helpers.tasks:put_and_return", 1 << 20)
     pickle.dumps(ref)  # exported: the reference now carries the shm handle
-    state = ref._state
+    state = ref.state
     assert "shm" in state.handles
     forged = Ref(state._replace(desc=replace(ref._desc, token=os.urandom(16)), pin_id=b""))
     with pytest.raises(tw.PermissionDeniedError):
@@ -98,7 +98,7 @@ def test_forged_token_is_denied(owner, transport):
 def test_forged_token_is_denied_in_the_owner_process(agent):
     value = torch.arange(100_000)
     ref = tw.put(value)
-    forged = Ref(ref._state._replace(desc=replace(ref._desc, token=os.urandom(16)), pin_id=b""))
+    forged = Ref(ref.state._replace(desc=replace(ref._desc, token=os.urandom(16)), pin_id=b""))
     with pytest.raises(tw.PermissionDeniedError):
         tw.get(forged, out=torch.empty_like(value))
     assert torch.equal(tw.get(ref, out=torch.empty_like(value)), value)

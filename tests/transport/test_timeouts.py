@@ -32,7 +32,7 @@ def test_validate_timeout_keeps_good_values():
 
 def test_a_short_deadline_fires_on_a_large_shm_fetch(agent, worker):
     ref = worker.call("tests.helpers.tasks:put_filled", LARGE)  # exported: it left the worker
-    assert "shm" in ref._state.handles
+    assert "shm" in ref.state.handles
     with pytest.raises(tw.TransferTimeoutError):
         tw.get(ref, transport="shm", timeout_s=0.001)
     value = tw.get(ref, transport="shm", timeout_s=60)  # the same reference, a sane deadline
