@@ -26,7 +26,15 @@ def cluster():
     with ray_session():
         c = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": 1, "resources": {"node_a": 10}, "include_dashboard": False},
+            head_node_args={
+                "num_cpus": 1,
+                "resources": {"node_a": 10},
+                "include_dashboard": False,
+                # A loaded machine once starved a new node's raylet past Ray's default 5 missed
+                # health checks (3 s apart), and Ray declared the node dead before its first
+                # actor ran. Tests that remove a node see it through tensorwire, not this check.
+                "_system_config": {"health_check_failure_threshold": 20},
+            },
         )
         try:
             second = c.add_node(num_cpus=1, resources={"node_b": 10})
