@@ -5,6 +5,7 @@ options, wait_tensor_freed, pytree containers, WeightSync's default source."""
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import ray
@@ -84,16 +85,20 @@ def test_ray_get_wait_cancel_kill_on_tensorwire_objects(echo, ray_local):
     assert isinstance(value, torch.Tensor) and value.sum().item() == 5 * 400_000
     assert tw.stats()["recent"][-1].transport in ("shm", "host", "ucx", "gloo")
     assert [v.sum().item() for v in ray.get([ref, echo.make.remote(10, 1)])] == [5 * 400_000, 10]
-    victim = Echo.options(max_concurrency=1).remote()  # one call at a time
-    assert isinstance(victim, ray.actor.ActorHandle)
-    ray.get(victim.pid.remote())
-    busy = victim.slow.remote(120, 4)  # runs until the kill below: the next call stays queued
-    ready, not_ready = ray.wait([ref, busy], num_returns=1, timeout=30)
-    assert ready == [ref] and not_ready == [busy]
-    queued = victim.slow.remote(0, 4)
-    ray.cancel(queued)  # a queued actor task is cancelled (a running one would not be: Ray's rule)
+
+    @tw.remote(num_cpus=0)
+    def sleeper(seconds: float):
+        time.sleep(seconds)
+        return torch.ones(4)
+
+    running = sleeper.remote(120)
+    ready, not_ready = ray.wait([ref, running], num_returns=1, timeout=30)
+    assert ready == [ref] and not_ready == [running]
+    # A task is cancelled whether it is queued or running (Ray interrupts it); an actor call
+    # that already runs is not (Ray's rule), so the test cancels a task.
+    ray.cancel(running)
     with pytest.raises(ray.exceptions.TaskCancelledError):
-        tw.get(queued, timeout_s=60)
+        tw.get(running, timeout_s=60)
 
     @tw.remote(num_cpus=0)
     def task(n: int):
@@ -101,9 +106,15 @@ def test_ray_get_wait_cancel_kill_on_tensorwire_objects(echo, ray_local):
 
     assert ray.get(task.remote(1000)).sum().item() == 4000  # a task's result through ray.get
 
+    victim = Echo.remote()
+    assert isinstance(victim, ray.actor.ActorHandle)
+    ray.get(victim.pid.remote())
     ray.kill(victim)
+    deadline = time.monotonic() + 60
     with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(victim.pid.remote(), timeout=60)
+        while time.monotonic() < deadline:  # the kill takes effect asynchronously: calls then fail
+            ray.get(victim.pid.remote(), timeout=60)
+            time.sleep(0.2)
 
 
 def test_tw_get_of_a_plain_object_ref(echo):
