@@ -26,7 +26,7 @@ import torch
 from tensorwire.errors import TransportUnavailableError
 from tensorwire.transport import Capabilities, FetchRequest, PeerInfo, StoredObject, Transport
 from tensorwire.transport.base import CostModel
-from tensorwire.transport.packing import byte_view
+from tests.helpers.file_transport import read_object, write_object
 
 NAME = "testep"
 DIST = "tensorwire_testep"
@@ -62,10 +62,7 @@ class EntryPointTransport(Transport):
     def export(self, obj: StoredObject) -> bytes | None:
         os.makedirs(self._dir, mode=0o700, exist_ok=True)  # consumers never make one
         name = secrets.token_hex(16)
-        with open(os.path.join(self._dir, name), "wb") as f:
-            for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
-                f.seek(meta.offset)
-                f.write(memoryview(byte_view(tensor).numpy()))
+        write_object(os.path.join(self._dir, name), obj)
         obj.transport_state[NAME] = name
         return name.encode()
 
@@ -82,15 +79,7 @@ class EntryPointTransport(Transport):
             directory = self._peers.get(request.owner.agent_id)
         if directory is None:
             raise TransportUnavailableError(f"testep: agent {request.owner.agent_id} was never loaded")
-        try:
-            f = open(os.path.join(directory, request.handle.decode()), "rb")  # noqa: SIM115
-        except FileNotFoundError:
-            self.context.check_owner(request)
-            raise
-        with f:
-            for meta, out in zip(request.metas, dst, strict=True):
-                f.seek(meta.offset)
-                f.readinto(memoryview(byte_view(out).numpy()))
+        read_object(os.path.join(directory, request.handle.decode()), request, dst, self.context)
 
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)

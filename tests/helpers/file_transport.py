@@ -10,6 +10,7 @@ import os
 import secrets
 import tempfile
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -28,6 +29,27 @@ NAME = "testfile"
 _DIR = os.path.join(tempfile.gettempdir(), f"tensorwire-testfile-{os.getuid()}")
 
 
+def write_object(path: str, obj: StoredObject) -> None:
+    """Write ``obj``'s tensors into the file ``path``, each at its packed offset."""
+    with open(path, "wb") as f:
+        for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
+            f.seek(meta.offset)
+            f.write(memoryview(byte_view(tensor).numpy()))
+
+
+def read_object(path: str, request: FetchRequest, dst: Sequence[torch.Tensor], context: Any) -> None:
+    """Fill ``dst`` from the file ``path``; a missing file is the owner's state (freed, died)."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115
+    except FileNotFoundError:
+        context.check_owner(request)
+        raise
+    with f:
+        for meta, out in zip(request.metas, dst, strict=True):
+            f.seek(meta.offset)
+            f.readinto(memoryview(byte_view(out).numpy()))
+
+
 class FileTransport(Transport):
     name = NAME
     capabilities = Capabilities(one_sided=True, same_process=False, same_node=True, cross_node=False, needs_export=True)
@@ -35,10 +57,7 @@ class FileTransport(Transport):
     def export(self, obj: StoredObject) -> bytes | None:
         os.makedirs(_DIR, mode=0o700, exist_ok=True)
         path = os.path.join(_DIR, secrets.token_hex(16))
-        with open(path, "wb") as f:
-            for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
-                f.seek(meta.offset)
-                f.write(byte_view(tensor).numpy().tobytes())
+        write_object(path, obj)
         obj.transport_state[NAME] = path
         return path.encode()
 
@@ -50,15 +69,7 @@ class FileTransport(Transport):
     def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
         if request.handle is None:
             raise TransportUnavailableError("no file handle")
-        try:
-            f = open(request.handle.decode(), "rb")  # noqa: SIM115
-        except FileNotFoundError:
-            self.context.check_owner(request)
-            raise
-        with f:
-            for meta, out in zip(request.metas, dst, strict=True):
-                f.seek(meta.offset)
-                f.readinto(memoryview(byte_view(out).numpy()))
+        read_object(request.handle.decode(), request, dst, self.context)
 
 
 def register() -> list[str]:
