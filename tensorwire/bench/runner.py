@@ -217,7 +217,7 @@ def _process_scenarios(options: Options, progress: ProgressBar, notes: list[str]
                 cuda_ref = None
                 for name, same_node, device in forced:
                     caps = registry.get_transport_class(name).capabilities
-                    if name == "inline" and nbytes > agent.config.inline_max_nbytes:
+                    if caps.carries_value and nbytes > agent.config.inline_max_nbytes:
                         progress.total -= 1
                         continue
                     ref = host_ref
