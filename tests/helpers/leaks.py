@@ -18,26 +18,8 @@ import gc
 import os
 from dataclasses import dataclass
 
+from tests.helpers import observe
 from tests.helpers.observe import memfd_segments, segment_names, wait_until
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0  # gone
-
-
-def _ours(pid: int) -> bool:
-    """Whether ``pid`` is this process or one of its descendants, alive (other users of the
-    machine, e.g. other test runs under the same uid, have segments too)."""
-    me, seen = os.getpid(), 0
-    while pid > 1 and seen < 64:
-        if pid == me:
-            return True
-        pid, seen = _parent(pid), seen + 1
-    return False
 
 
 def segment_entries() -> dict[int, frozenset[int]]:
@@ -82,8 +64,7 @@ def segment_fds() -> dict[int, str]:
 
 def descendants() -> frozenset[int]:
     """Live descendants of this process."""
-    me = os.getpid()
-    return frozenset(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me and _ours(int(p)))
+    return frozenset(observe.descendants(os.getpid()) - {os.getpid()})
 
 
 def owned_objects() -> int:
@@ -123,7 +104,8 @@ def leaks_since(before: Snapshot, *, settle_s: float = 10.0) -> list[str]:
     garbage collection frees (references in a cycle, e.g. through a caught exception's
     traceback) is not a leak."""
     problems = []
-    gc.collect()  # a cycle here may hold references to objects of this or another process
+    if owned_objects() > before.owned or _new_segments(before):
+        gc.collect()  # a cycle here may hold references to objects of this or another process
     if not wait_until(lambda: owned_objects() <= before.owned, settle_s):
         problems.append(f"this process's agent owns {owned_objects()} object(s), {before.owned} before the test")
     if not wait_until(lambda: not _new_segments(before), settle_s):

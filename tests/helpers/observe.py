@@ -26,25 +26,27 @@ def segment_names() -> set[str]:
         names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     except OSError:
         return set()
-    ours = _descendants(os.getpid()) if names else set()
+    ours = descendants(os.getpid()) if names else set()
     return {n for n in names if n[len(prefix) :].split("-")[0] in {str(p) for p in ours}}
 
 
-def _descendants(root: int) -> set[int]:
-    parents: dict[int, int] = {}
+def descendants(root: int) -> set[int]:
+    """``root`` and its live descendants, from one pass over ``/proc``."""
+    children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    parent = int(f.read().rsplit(b")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
-                continue
+                continue  # gone meanwhile
+            children.setdefault(parent, []).append(int(entry))
     found, frontier = {root}, [root]
     while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in found]
-        found.update(children)
-        frontier.extend(children)
+        for child in children.get(frontier.pop(), ()):
+            if child not in found:
+                found.add(child)
+                frontier.append(child)
     return found
 
 
@@ -53,7 +55,7 @@ def memfd_sizes(pids: set[int] | None = None) -> dict[int, int]:
     descendants: spawned workers, a local Ray's workers) hold open or mapped: inode -> bytes
     (the file size where a descriptor is open, else the mapped length)."""
     sizes: dict[int, int] = {}
-    for pid in pids if pids is not None else _descendants(os.getpid()):
+    for pid in pids if pids is not None else descendants(os.getpid()):
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
@@ -62,12 +64,15 @@ def memfd_sizes(pids: set[int] | None = None) -> dict[int, int]:
                         sizes[info.st_ino] = info.st_size
                 except OSError:
                     continue
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    if "/memfd:tensorwire" in line:
-                        fields = line.split()
-                        low, high = (int(x, 16) for x in fields[0].split("-"))
-                        sizes.setdefault(int(fields[4]), high - low)
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                maps = f.read()
+            if b"/memfd:tensorwire" not in maps:  # most processes: no line to parse
+                continue
+            for line in maps.splitlines():
+                if b"/memfd:tensorwire" in line:
+                    fields = line.split()
+                    low, high = (int(x, 16) for x in fields[0].split(b"-"))
+                    sizes.setdefault(int(fields[4]), high - low)
         except OSError:
             continue
     return sizes
