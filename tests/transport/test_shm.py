@@ -1,5 +1,10 @@
 """shm specifics: anonymous segments handed out only for the token, freed with their
-holders (SIGKILL included), nothing named in /dev/shm, out of memory."""
+holders (SIGKILL included), nothing named in /dev/shm, out of memory; direct reads
+(process_vm_readv) handed addresses only for the token, checked against the live word,
+with segments as the fallback.
+
+Tests of segment packing itself run with direct reads off in the producer
+(``segments_only``): with them on, a segment is made only when a consumer asks for one."""
 
 from __future__ import annotations
 
@@ -14,13 +19,19 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.transport import memfd, shm
+from tensorwire.transport import cma, memfd, shm
 from tests.helpers.observe import memfd_segments, segment_names, wait_until
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
 
-def test_segment_is_anonymous_and_closed_on_free(agent, worker):
+@pytest.fixture
+def segments_only(monkeypatch):
+    """Direct reads off in this process: shm packs every object when its reference leaves."""
+    monkeypatch.setenv("TENSORWIRE_SHM_DIRECT", "0")
+
+
+def test_segment_is_anonymous_and_closed_on_free(agent, worker, segments_only):
     before = memfd_segments({os.getpid()})
     named_before = segment_names()
     value = torch.randn(100_000)
@@ -34,7 +45,9 @@ def test_segment_is_anonymous_and_closed_on_free(agent, worker):
     assert memfd_segments({os.getpid()}) == before
 
 
-def test_forged_token_reads_nothing_over_shm(agent, worker):
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_forged_token_reads_nothing_over_shm(agent, worker, monkeypatch, direct):
+    monkeypatch.setenv("TENSORWIRE_SHM_DIRECT", direct)
     value = torch.full((100_000,), 5, dtype=torch.uint8)
     ref = tw.put(value)
     blob = pickle.dumps(ref)
@@ -82,7 +95,7 @@ def test_descriptor_server_refuses_wrong_tokens_and_malformed_requests(tmp_path)
 
 
 def test_a_killed_producer_leaves_no_memory_behind():
-    w = Worker()
+    w = Worker(env={"TENSORWIRE_SHM_DIRECT": "0"})
     try:
         ref = w.call("tests.helpers.tasks:put_filled", 1 << 20)
         pickle.dumps(ref)  # the worker exported a segment for this reference
@@ -100,7 +113,9 @@ def _all_pids() -> set[int]:
     return {int(p) for p in os.listdir("/proc") if p.isdigit()}
 
 
-def test_full_dev_shm_falls_back_to_a_two_sided_transport_with_a_warning(agent, worker, monkeypatch, caplog):
+def test_full_dev_shm_falls_back_to_a_two_sided_transport_with_a_warning(
+    agent, worker, monkeypatch, caplog, segments_only
+):
     def no_room(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -117,7 +132,7 @@ def test_full_dev_shm_falls_back_to_a_two_sided_transport_with_a_warning(agent, 
     caplog.clear()  # the captured warning's exception keeps the object alive (the leak guard would see it)
 
 
-def test_forced_shm_on_full_dev_shm_is_a_clear_error(agent, worker, monkeypatch, caplog):
+def test_forced_shm_on_full_dev_shm_is_a_clear_error(agent, worker, monkeypatch, caplog, segments_only):
     monkeypatch.setattr(shm.os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     ref = tw.put(torch.randn(200_000))
     with pytest.warns(RuntimeWarning):
@@ -125,3 +140,97 @@ def test_forced_shm_on_full_dev_shm_is_a_clear_error(agent, worker, monkeypatch,
         blob = pickle.dumps(ref)
     assert worker.call("tests.helpers.tasks:get_error", pickle.loads(blob), transport="shm") == "TransportError"
     caplog.clear()  # the captured warning's exception keeps the object alive (the leak guard would see it)
+
+
+# ---------------------------------------------------------------------- direct reads
+
+needs_direct = pytest.mark.skipif(
+    cma.unavailable_reason() is not None, reason=f"direct reads unavailable here: {cma.unavailable_reason()}"
+)
+
+
+@needs_direct
+def test_direct_read_copies_once_and_makes_no_segment(agent, worker):
+    before = memfd_segments({os.getpid()})
+    value = torch.arange(300_000, dtype=torch.float32) + 5
+    ref = tw.put(value)
+    blob = pickle.dumps(ref)
+    assert worker.call("tests.helpers.tasks:get_transport", pickle.loads(blob)) == (digest(value), "shm")
+    assert memfd_segments({os.getpid()}) == before  # read from the tensor itself: nothing packed
+    value.add_(1)  # a direct read sees the tensor as it is at the fetch (like two-sided transports)
+    assert worker.call("tests.helpers.tasks:get_digest", pickle.loads(blob), transport="shm") == digest(value)
+    view = worker.call("tests.helpers.tasks:view_and_write_with", pickle.loads(blob), "shm")
+    assert (view["zero_copy"], view["first"], view["after_write"], view["again"]) == (True, 6, -1, 6)
+    # a view still maps a segment, made on request
+    assert len(memfd_segments({os.getpid()}) - before) == 1
+    tw.free(ref)
+    assert memfd_segments({os.getpid()}) == before
+    assert worker.call("tests.helpers.tasks:get_error", pickle.loads(blob), transport="shm") == "ObjectFreedError"
+
+
+def test_address_requests_need_the_token_and_never_make_the_segment(tmp_path):
+    server = memfd.FdServer(str(tmp_path))
+    client = memfd.FdClient()
+    made = []
+
+    def make():
+        made.append(1)
+        fd = memfd.create_memfd(64)
+        os.pwrite(fd, b"xyz", 0)
+        return fd, 64
+
+    try:
+        addresses = cma.pack_addresses(0x1000, 0x55, [(0x2000, 10), (0, 0)])
+        server.offer_lazy(b"k" * 16, b"t" * 16, make, addresses=addresses)
+        deadline = time.monotonic() + 10
+        with pytest.raises(tw.PermissionDeniedError):
+            client.addresses(server.path, b"k" * 16, b"x" * 16, deadline=deadline)
+        got = cma.unpack_addresses(client.addresses(server.path, b"k" * 16, b"t" * 16, deadline=deadline))
+        assert (got.live_address, got.nonce, got.ranges, made) == (0x1000, 0x55, [(0x2000, 10), (0, 0)], [])
+        with pytest.raises(tw.PermissionDeniedError):
+            client.receive(server.path, b"k" * 16, b"x" * 16, deadline=deadline)
+        assert made == []  # a wrong token makes nothing either
+        fd, nbytes = client.receive(server.path, b"k" * 16, b"t" * 16, deadline=deadline)
+        assert (os.pread(fd, 3, 0), nbytes, made) == (b"xyz", 64, [1])
+        os.close(fd)
+        fd, _ = client.receive(server.path, b"k" * 16, b"t" * 16, deadline=deadline)
+        os.close(fd)
+        assert made == [1]  # made once
+        server.withdraw(b"k" * 16)
+        with pytest.raises(memfd.SegmentUnknownError):
+            client.addresses(server.path, b"k" * 16, b"t" * 16, deadline=deadline)
+    finally:
+        client.close()
+        server.close()
+
+
+@needs_direct
+def test_read_into_checks_the_live_word_and_splits_over_threads():
+    words = cma.LiveWords()
+    slot, address, nonce = words.take()
+    src = torch.arange(40 << 20, dtype=torch.uint8)  # large enough for two threads
+    small = torch.full((100,), 3, dtype=torch.uint8)
+    info = cma.DirectRead(address, nonce, [(src.data_ptr(), src.numel()), (small.data_ptr(), 100)])
+    out, out_small = torch.zeros_like(src), torch.zeros_like(small)
+    local = [(out.data_ptr(), out.numel()), (out_small.data_ptr(), 100)]
+    assert cma.read_into(os.getpid(), info, local, threads=2)
+    assert torch.equal(out, src) and torch.equal(out_small, small)
+    words.clear(slot)
+    assert not cma.read_into(os.getpid(), info, local, threads=1)  # freed: the bytes are not to be used
+    runs = cma._split([(0, 100, 10), (10, 200, 30)], 2)
+    assert runs == [[(0, 100, 10), (10, 200, 10)], [(20, 210, 20)]]
+
+
+@needs_direct
+def test_a_refused_direct_read_falls_back_to_the_segment(agent, worker, monkeypatch):
+    ref = worker.call("tests.helpers.tasks:put_filled", 1 << 20, 9)
+
+    def refused(pid, pieces):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(cma, "_read_pieces", refused)
+    monkeypatch.setattr(cma, "_checked", True)
+    monkeypatch.setattr(cma, "_reason", None)
+    got = tw.get(ref, transport="shm")
+    assert torch.equal(got, torch.full((1 << 20,), 9, dtype=torch.uint8))
+    assert cma.unavailable_reason() == "process_vm_readv was refused (Operation not permitted)"
