@@ -11,13 +11,17 @@ for NIXL: registering the memory and its descriptor list) is included:
 * ``64 MiB x1024``: 1,024 tensors of 64 KiB, the same object each round;
 * ``4 KiB``: one small tensor, a new object each round (inline for tensorwire).
 
-The message between the two goes over a ``multiprocessing`` pipe for both methods. Every
-round is checked (untimed): the consumer compares its buffer with the expected bytes, then
-zeroes it. Methods are interleaved round by round; the table shows medians and
-``ratio`` = NIXL's median over tensorwire's (above 1: tensorwire is faster).
+The message between the two goes over a ``multiprocessing`` pipe. Every tensorwire round
+is checked (untimed): the consumer compares its buffer with the expected bytes, then zeroes
+it. Methods are interleaved round by round; the table shows medians and ``ratio`` = NIXL's
+median over tensorwire's (above 1: tensorwire is faster).
 
-The NIXL peer is ``benchmarks.bare_nixl`` (register + one-sided READ, UCX backend) when
-``nixl`` is installed; without it the NIXL column is empty.
+The NIXL peer is :mod:`benchmarks.bare_nixl` (two processes of its own, UCX backend; it
+checks every round's bytes) when ``nixl`` is installed; without it the NIXL column is empty.
+A new-object NIXL round is its register + partial metadata + send + load + READ, from the
+producer's start to the consumer's ``DONE``, *less* the allocation and fill of the new buffer
+(tensorwire's rounds put an existing tensor); a same-object round is one READ of the
+registered buffer (``initialize_xfer`` + ``transfer`` + poll + release), with no message.
 """
 
 from __future__ import annotations
@@ -58,7 +62,6 @@ def _consumer(conn: Any) -> None:
     import tensorwire as tw
 
     state: dict[str, Any] = {}
-    nixl_peer: Any = None
     while True:
         message = conn.recv_bytes()
         if not message:
@@ -74,11 +77,6 @@ def _consumer(conn: Any) -> None:
             out = state["out"]
             tw.get(ref, out=out[0] if len(out) == 1 else out)
             conn.send_bytes(b"ok")
-        elif kind == b"N":  # nixl: the peer's message
-            if nixl_peer is None:
-                nixl_peer = _nixl_module().Consumer()
-            nixl_peer.read(payload, state["out"])
-            conn.send_bytes(b"ok")
         elif kind == b"V":  # verify, then zero
             ok = all(torch.equal(o, e) for o, e in zip(state["out"], state["expected"], strict=True))
             for o in state["out"]:
@@ -86,15 +84,48 @@ def _consumer(conn: Any) -> None:
             conn.send_bytes(b"1" if ok else b"0")
 
 
-def _nixl_module() -> Any:
-    return importlib.import_module("benchmarks.bare_nixl")
-
-
 def nixl_available() -> bool:
     try:
-        return _nixl_module().available()
+        importlib.import_module("benchmarks.bare_nixl").nixl_api()
     except ImportError:
         return False
+    return True
+
+
+class _Nixl:
+    """The bare NIXL peer: two processes of :mod:`benchmarks.bare_nixl`."""
+
+    _MODULE = "benchmarks.bare_nixl"
+
+    def __init__(self) -> None:
+        from benchmarks.bare_nixl import BareNixl
+        from tests.helpers.procs import Worker
+
+        self.producer, self.consumer = Worker(), Worker()
+        self.bare = BareNixl(self.producer, self.consumer)
+        self._fill = 0
+
+    def _call(self, worker: Any, fn: str, *args: Any) -> Any:
+        return worker.call(f"{self._MODULE}:{fn}", *args, timeout_s=120)
+
+    def prepare(self, sizes: list[int]) -> None:
+        self._call(self.consumer, "register", "tw-dst", sum(sizes), len(sizes), 0, False)
+
+    def finish(self) -> None:
+        self._call(self.consumer, "unregister", "tw-dst")
+
+    def round(self, sizes: list[int], new_each_round: bool) -> float:
+        if not new_each_round:
+            return self.bare.same_object(sum(sizes), 1, tensors=len(sizes))[0]
+        self._fill = self._fill % 250 + 1
+        src = self._call(self.producer, "register", "tw-new", sum(sizes), len(sizes), self._fill, True)
+        end = self._call(self.consumer, "read_new", src["rows"], src["metadata"], "tw-dst", self._fill, 120.0)
+        self._call(self.producer, "unregister", "tw-new")
+        return end - src["t0"] - src["alloc_s"]
+
+    def close(self) -> None:
+        self.producer.close()
+        self.consumer.close()
 
 
 def _run_case(conn: Any, producer: Any, case: str, rounds: int) -> dict[str, Any]:
@@ -106,39 +137,30 @@ def _run_case(conn: Any, producer: Any, case: str, rounds: int) -> dict[str, Any
     conn.recv_bytes()
     value: Any = tensors[0] if len(tensors) == 1 else tensors
     same_ref = tw.put(value)
-    same_nixl: list[bytes] = []
 
-    def tensorwire_round() -> None:
+    def tensorwire_round() -> float:
+        start = time.perf_counter()
         ref = tw.put(value) if new_each_round else same_ref
         conn.send_bytes(b"T" + pickle.dumps(ref))
         conn.recv_bytes()
+        return time.perf_counter() - start
 
-    def nixl_round() -> None:
-        if new_each_round or not same_nixl:
-            message = producer.offer(tensors)
-            if not new_each_round:
-                same_nixl.append(message)
-        else:
-            message = same_nixl[0]
-        conn.send_bytes(b"N" + message)
-        conn.recv_bytes()
-        if new_each_round:
-            producer.withdraw(message)
-
-    methods: dict[str, Callable[[], None]] = {"tensorwire": tensorwire_round}
+    methods: dict[str, Callable[[], float]] = {"tensorwire": tensorwire_round}
     if producer is not None:
-        methods["nixl"] = nixl_round
+        producer.prepare(sizes)
+        methods["nixl"] = lambda: producer.round(sizes, new_each_round)
     times: dict[str, list[float]] = {m: [] for m in methods}
     wrong = 0
     for i in range(rounds + 2):  # two warm-up rounds
         for name, fn in methods.items():
-            start = time.perf_counter()
-            fn()
-            elapsed = time.perf_counter() - start
-            conn.send_bytes(b"V")
-            wrong += conn.recv_bytes() != b"1"
+            elapsed = fn()
+            if name == "tensorwire":
+                conn.send_bytes(b"V")
+                wrong += conn.recv_bytes() != b"1"
             if i >= 2:
                 times[name].append(elapsed)
+    if producer is not None:
+        producer.finish()
     return {
         "tensorwire": statistics.median(times["tensorwire"]),
         "nixl": statistics.median(times["nixl"]) if "nixl" in times else None,
@@ -152,7 +174,7 @@ def run(cases: list[str], rounds: int, *, with_nixl: bool) -> dict[str, dict[str
     conn, child = ctx.Pipe()
     process = ctx.Process(target=_consumer, args=(child,), daemon=True)
     process.start()
-    producer = _nixl_module().Producer() if with_nixl else None
+    producer = _Nixl() if with_nixl else None
     try:
         return {case: _run_case(conn, producer, case, rounds) for case in cases}
     finally:
@@ -160,6 +182,8 @@ def run(cases: list[str], rounds: int, *, with_nixl: bool) -> dict[str, dict[str
         process.join(timeout=30)
         if process.is_alive():
             process.kill()
+        if producer is not None:
+            producer.close()
 
 
 def main(argv: list[str] | None = None) -> int:
