@@ -54,7 +54,7 @@ from tensorwire.transport.base import (
     TransportContext,
 )
 from tensorwire.transport.control import socket_dir
-from tensorwire.transport.packing import byte_view, copy_before
+from tensorwire.transport.packing import COPY_THREADS, byte_view, copy_before
 
 __all__ = ["ShmTransport"]
 
@@ -80,7 +80,7 @@ class ShmTransport(Transport):
         self._kept: collections.OrderedDict[tuple[bytes, bytes], int] = collections.OrderedDict()
         self._kept_lock = threading.Lock()
         self._direct: collections.OrderedDict[tuple[bytes, bytes], cma.DirectRead] = collections.OrderedDict()
-        self.copy_threads = min(2, os.cpu_count() or 1)
+        self.copy_threads = COPY_THREADS
 
     def unavailable_reason(self) -> str | None:
         """Any process: usable where ``memfd_create`` and descriptor passing exist (Linux)."""
