@@ -234,3 +234,35 @@ def test_a_refused_direct_read_falls_back_to_the_segment(agent, worker, monkeypa
     got = tw.get(ref, transport="shm")
     assert torch.equal(got, torch.full((1 << 20,), 9, dtype=torch.uint8))
     assert cma.unavailable_reason() == "process_vm_readv was refused (Operation not permitted)"
+
+
+def test_partial_direct_reads_resume_where_the_kernel_stopped(monkeypatch):
+    """process_vm_readv may copy less than asked (the kernel stops at a page it cannot
+    read): every piece still arrives whole, in order, even cut mid-piece."""
+    import ctypes
+
+    import numpy as np
+
+    calls = []
+
+    def stingy(pid, local, count, remote, count2, flags):
+        words = ctypes.POINTER(ctypes.c_uint64)
+        dst = np.ctypeslib.as_array(ctypes.cast(local, words), (count, 2))
+        src = np.ctypeslib.as_array(ctypes.cast(remote, words), (count2, 2))
+        budget, copied = 7_000, 0  # less than one piece, not a multiple of anything
+        for (d, n), (r, _) in zip(dst.tolist(), src.tolist(), strict=True):
+            take = min(n, budget - copied)
+            ctypes.memmove(d, r, take)
+            copied += take
+            if copied == budget:
+                break
+        calls.append(count)
+        return copied
+
+    monkeypatch.setattr(cma, "_readv", lambda: stingy)
+    sources = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (10_000, 0, 3, 25_000)]
+    outs = [torch.zeros_like(s) for s in sources]
+    pieces = [(o.data_ptr(), s.data_ptr(), s.numel()) for o, s in zip(outs, sources, strict=True)]
+    cma._read_pieces(os.getpid(), pieces)
+    assert all(torch.equal(o, s) for o, s in zip(outs, sources, strict=True))
+    assert len(calls) == 6 and calls[0] == 3  # 35,003 bytes in 7,000-byte steps; the empty piece is skipped
