@@ -242,10 +242,9 @@ class ShmTransport(Transport):
             return False
         local = []
         for meta, out in zip(request.metas, dst, strict=True):
-            view = byte_view(out)
-            if view.numel() != meta.nbytes or (meta.nbytes and view.data_ptr() != out.data_ptr()):
-                return False  # not a flat buffer of the right size: the segment path copies
-            local.append((view.data_ptr(), meta.nbytes))
+            if out.numel() * out.element_size() != meta.nbytes or not out.is_contiguous():
+                return False  # not one buffer of the right size: the segment path copies
+            local.append((out.data_ptr(), meta.nbytes))
         try:
             live = cma.read_into(request.owner.pid, found, local, threads=self.copy_threads)
         except cma.PermissionLost as e:
