@@ -2,9 +2,9 @@
 
 Run: ``python -m benchmarks.same_node`` (``--rounds``, ``--cases``; ``--no-nixl`` to skip the
 NIXL peer). Two processes: this one produces, a spawned one consumes into a buffer it reuses.
-One *round* is timed in the producer from the start of its preparation to the consumer's
-reply, so the producer's work (``put`` + pickling the reference, which makes its exports;
-for NIXL: registering the memory and its descriptor list) is included:
+One *round* is timed from the start of the producer's preparation to the end of the
+consumer's ``get`` (``time.perf_counter`` is the machine's one ``CLOCK_MONOTONIC``), so the
+producer's work (``put`` + pickling the reference, which makes its exports) is included:
 
 * ``new N MiB``: a new object of the same (already faulted) tensor each round;
 * ``same 64 MiB``: the same reference fetched again each round;
@@ -31,6 +31,7 @@ import importlib
 import multiprocessing as mp
 import pickle
 import statistics
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -76,7 +77,7 @@ def _consumer(conn: Any) -> None:
             ref = pickle.loads(payload)
             out = state["out"]
             tw.get(ref, out=out[0] if len(out) == 1 else out)
-            conn.send_bytes(b"ok")
+            conn.send_bytes(struct.pack("d", time.perf_counter()))  # the round ends here
         elif kind == b"V":  # verify, then zero
             ok = all(torch.equal(o, e) for o, e in zip(state["out"], state["expected"], strict=True))
             for o in state["out"]:
@@ -142,8 +143,8 @@ def _run_case(conn: Any, producer: Any, case: str, rounds: int) -> dict[str, Any
         start = time.perf_counter()
         ref = tw.put(value) if new_each_round else same_ref
         conn.send_bytes(b"T" + pickle.dumps(ref))
-        conn.recv_bytes()
-        return time.perf_counter() - start
+        (end,) = struct.unpack("d", conn.recv_bytes())
+        return end - start
 
     methods: dict[str, Callable[[], float]] = {"tensorwire": tensorwire_round}
     if producer is not None:
