@@ -21,11 +21,12 @@ import os
 import secrets
 import struct
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from tensorwire.errors import TransportError
+from tensorwire.errors import TransferTimeoutError, TransportError
 
 __all__ = [
     "DirectRead",
@@ -42,7 +43,9 @@ __all__ = [
 _IOV_MAX = 1024
 _HEADER = struct.Struct("!QQI")  # live word address, nonce, tensor count
 _RANGE = struct.Struct("!QQ")  # address, bytes
-THREADED_MIN_NBYTES = 32 << 20  # a copy at least this large is split over two threads
+THREADED_MIN_NBYTES = 32 << 20  # a copy at least this large is split over the copy threads
+STEP_NBYTES = 16 << 20  # a copy that might miss its deadline goes in steps of this size
+_SLOW_BYTES_PER_S = 0.5e9  # a loaded machine's copy rate, for "surely done in time"
 
 
 class _Iovec(ctypes.Structure):
@@ -221,35 +224,64 @@ def _split(pieces: list[tuple[int, int, int]], parts: int) -> list[list[tuple[in
     return [r for r in runs if r]
 
 
-def read_into(pid: int, info: DirectRead, local: Sequence[tuple[int, int]], *, threads: int = 1) -> bool:
+def _read_parallel(pid: int, pieces: list[tuple[int, int, int]], threads: int) -> None:
+    runs = _split(pieces, threads)
+    errors: list[OSError] = []
+
+    def work(run: list[tuple[int, int, int]]) -> None:
+        try:
+            _read_pieces(pid, run)
+        except OSError as e:
+            errors.append(e)
+
+    helpers = [threading.Thread(target=work, args=(r,), daemon=True) for r in runs[1:]]
+    for t in helpers:
+        t.start()
+    work(runs[0])
+    for t in helpers:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _read_in_steps(pid: int, pieces: list[tuple[int, int, int]], total: int, deadline: float, what: str) -> None:
+    """A copy that might not fit in the time left: 16 MiB steps, the deadline checked between."""
+    steps = _split(pieces, -(-total // STEP_NBYTES))
+    done = 0
+    for step in steps:
+        if done and time.monotonic() >= deadline:
+            raise TransferTimeoutError(f"{what}: not complete before the deadline ({done} of {total} bytes)")
+        _read_pieces(pid, step)
+        done += sum(p[2] for p in step)
+
+
+def read_into(
+    pid: int,
+    info: DirectRead,
+    local: Sequence[tuple[int, int]],
+    *,
+    threads: int = 1,
+    deadline: float | None = None,
+    what: str = "direct read",
+) -> bool:
     """Copy the producer's ranges into ``local`` ``(address, bytes)`` buffers (same order and
-    sizes), then read its live word: True if the object was live throughout.
+    sizes), then read its live word: True if the object was live throughout. A copy that
+    might not fit before ``deadline`` (``time.monotonic()``) goes in steps and raises
+    ``TransferTimeoutError`` naming ``what`` when the time is up.
 
     Raises:
         PermissionLost: The kernel refused the read (direct reads are then off here).
         OSError: The process is gone (ESRCH) or the memory unmapped (EFAULT).
     """
-    pieces = [(dst, src, min(n, m)) for (dst, n), (src, m) in zip(local, info.ranges, strict=True)]
+    pieces = [(dst, src, n) for (dst, n), (src, m) in zip(local, info.ranges, strict=True) if n == m]
+    if len(pieces) != len(info.ranges):
+        raise TransportError("direct read: the owner's tensor sizes and the consumer's buffers disagree")
     total = sum(p[2] for p in pieces)
     try:
-        if threads > 1 and total >= THREADED_MIN_NBYTES:
-            runs = _split(pieces, threads)
-            errors: list[OSError] = []
-
-            def work(run: list[tuple[int, int, int]]) -> None:
-                try:
-                    _read_pieces(pid, run)
-                except OSError as e:
-                    errors.append(e)
-
-            helpers = [threading.Thread(target=work, args=(r,), daemon=True) for r in runs[1:]]
-            for t in helpers:
-                t.start()
-            work(runs[0])
-            for t in helpers:
-                t.join()
-            if errors:
-                raise errors[0]
+        if deadline is not None and deadline - time.monotonic() <= total / _SLOW_BYTES_PER_S:
+            _read_in_steps(pid, pieces, total, deadline, what)
+        elif threads > 1 and total >= THREADED_MIN_NBYTES:
+            _read_parallel(pid, pieces, threads)
         else:
             _read_pieces(pid, pieces)
         word = ctypes.c_uint64(0)

@@ -224,10 +224,8 @@ class ShmTransport(Transport):
         except (memfd.SegmentUnknownError, OSError):
             return None  # the segment path tells freed from "no direct reads"
         found = cma.unpack_addresses(data)
-        if len(found.ranges) != len(request.metas):
-            raise TransportError(
-                f"the owner of {request!r} described {len(found.ranges)} tensors, not {len(request.metas)}"
-            )
+        if [n for _, n in found.ranges] != [m.nbytes for m in request.metas]:
+            raise TransportError(f"the owner of {request!r} described tensors of other sizes than its reference's")
         if self.context.holds(request.object_id):
             with self._kept_lock:
                 self._direct[key] = found
@@ -246,7 +244,14 @@ class ShmTransport(Transport):
                 return False  # not one buffer of the right size: the segment path copies
             local.append((out.data_ptr(), meta.nbytes))
         try:
-            live = cma.read_into(request.owner.pid, found, local, threads=self.copy_threads)
+            live = cma.read_into(
+                request.owner.pid,
+                found,
+                local,
+                threads=self.copy_threads,
+                deadline=request.deadline,
+                what=f"shm direct read of {request!r}",
+            )
         except cma.PermissionLost as e:
             logger.info("shm: direct reads are off in this process (%s); using segments", e)
             return False

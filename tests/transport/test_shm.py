@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import re
 import socket
 import struct
 import time
@@ -266,3 +267,21 @@ def test_partial_direct_reads_resume_where_the_kernel_stopped(monkeypatch):
     cma._read_pieces(os.getpid(), pieces)
     assert all(torch.equal(o, s) for o, s in zip(outs, sources, strict=True))
     assert len(calls) == 6 and calls[0] == 3  # 35,003 bytes in 7,000-byte steps; the empty piece is skipped
+
+
+@needs_direct
+def test_a_direct_read_that_may_miss_its_deadline_goes_in_steps_and_says_so():
+    words = cma.LiveWords()
+    _, address, nonce = words.take()
+    src = torch.arange(40 << 20, dtype=torch.uint8)
+    info = cma.DirectRead(address, nonce, [(src.data_ptr(), src.numel())])
+    out = torch.zeros_like(src)
+    with pytest.raises(tw.TransferTimeoutError, match=r"shm test: not complete before the deadline") as caught:
+        cma.read_into(os.getpid(), info, [(out.data_ptr(), out.numel())], deadline=time.monotonic(), what="shm test")
+    done, total = (int(x) for x in re.search(r"\((\d+) of (\d+) bytes\)", str(caught.value)).groups())
+    assert (total, 0 < done <= cma.STEP_NBYTES) == (40 << 20, True)  # one step, then the time was up
+    assert torch.equal(out[:done], src[:done]) and not out[done:].any()
+    with pytest.raises(tw.TransportError, match="sizes and the consumer's buffers disagree"):
+        cma.read_into(os.getpid(), info, [(out.data_ptr(), 100)])
+    assert cma.read_into(os.getpid(), info, [(out.data_ptr(), out.numel())], deadline=time.monotonic() + 600)
+    assert torch.equal(out, src)
