@@ -285,3 +285,40 @@ def test_a_direct_read_that_may_miss_its_deadline_goes_in_steps_and_says_so():
         cma.read_into(os.getpid(), info, [(out.data_ptr(), 100)])
     assert cma.read_into(os.getpid(), info, [(out.data_ptr(), out.numel())], deadline=time.monotonic() + 600)
     assert torch.equal(out, src)
+
+
+@needs_direct
+def test_a_held_objects_kept_addresses_still_see_free_and_changes(agent, worker):
+    """A consumer that holds a reference keeps the owner's addresses (no round trip on the
+    next fetch); the live word still makes a fetch after free() an ObjectFreedError."""
+    value = torch.full((200_000,), 4, dtype=torch.uint8)
+    ref = tw.put(value)
+    worker.call("tests.helpers.tasks:hold", pickle.loads(pickle.dumps(ref)), "kept")
+    assert worker.call("tests.helpers.tasks:get_kept_error", "kept", transport="shm") == "ok"
+    value.fill_(6)  # another reference to the held object: the kept addresses serve it
+    assert worker.call("tests.helpers.tasks:get_digest", pickle.loads(pickle.dumps(ref)), transport="shm") == digest(
+        value
+    )
+    tw.free(ref)
+    assert worker.call("tests.helpers.tasks:get_kept_error", "kept", transport="shm") == "ObjectFreedError"
+    worker.call("tests.helpers.tasks:drop", "kept")
+
+
+@needs_direct
+def test_a_held_object_is_described_once(agent, worker, monkeypatch):
+    ref = worker.call("tests.helpers.tasks:put_filled", 1 << 20, 5)
+    asked = []
+    original = memfd.FdClient.addresses
+
+    def counting(self, *args, **kwargs):
+        asked.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(memfd.FdClient, "addresses", counting)
+    out = torch.zeros(1 << 20, dtype=torch.uint8)
+    for _ in range(3):
+        out.zero_()
+        tw.get(ref, out=out, transport="shm")
+        assert int(out.sum()) == 5 << 20
+    assert len(asked) == 1  # the addresses are kept while this process holds the reference
+    assert tw.stats()["recent"][-1].transport == "shm"
