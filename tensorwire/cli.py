@@ -90,7 +90,7 @@ def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
     from tensorwire.peers import digest_of_fetch, peers
     from tensorwire.progress import ProgressBar
     from tensorwire.runtime.ray_env import agent as runtime_agent
-    from tensorwire.transport import registry
+    from tensorwire.transport import cma, registry
     from tensorwire.transport.topology import describe_node
 
     results: list[tuple[str, str, str]] = []
@@ -99,6 +99,9 @@ def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
         results.append(("shared memory", "ok", "anonymous segments (memfd_create); /dev/shm is not used"))
     else:
         results.append(("shared memory", "fail", "no memfd_create: same-node transfers fall back to two-sided ones"))
+    direct = cma.unavailable_reason()
+    allowed = "process_vm_readv allowed: one copy per shm fetch"
+    results.append(("shm direct reads", "ok" if direct is None else "warn", direct or allowed))
     nvidia = node["accelerators"].get("nvidia", {})
     if nvidia.get("devices"):
         results.append(("NVML", "ok", f"{len(nvidia['devices'])} NVIDIA GPU(s)"))

@@ -296,8 +296,17 @@ class _SkeletonPickler(cloudpickle.CloudPickler):
             )
 
 
+_SLOT_BYTES: dict[int, bytes] = {}  # the pickled skeleton of a lone tensor (the common value), by index
+
+
 def dumps_skeleton(skeleton: Any) -> bytes:
-    """Pickle ``skeleton`` (cloudpickle) or raise ``TypeError`` naming what cannot travel."""
+    """Pickle ``skeleton`` (cloudpickle) or raise ``TypeError`` naming what cannot travel.
+    A lone tensor's skeleton (one ``Slot``) is pickled once per index and reused."""
+    if type(skeleton) is Slot:
+        found = _SLOT_BYTES.get(skeleton.index)
+        if found is None:
+            found = _SLOT_BYTES[skeleton.index] = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+        return found
     buffer = io.BytesIO()
     try:
         _SkeletonPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(skeleton)

@@ -22,6 +22,11 @@ does only after every consumer released its reference (holder protocol), and con
 close their mappings before they release. Known gap: a consumer killed while it holds a
 mapping never releases its count, so that block stays allocated until the producer exits.
 
+Consumer, per fetch, host work is kept to the copies (the GPU fixed-cost issue): mapped
+tensors and the per-device events that mark the last copy are made once per object and
+reused; the owner's liveness (a syscall for a same-node owner) is checked when an object is
+first opened and then at most every ``LIVENESS_CHECK_S`` per owner, not on every fetch.
+
 Consumer: devices are matched by physical UUID, never by index, so producer and consumer may
 see different ``CUDA_VISIBLE_DEVICES``. Handles are opened once per object and process
 (``_new_shared_cuda`` makes the consumer's current stream wait on the producer's event: no
@@ -36,6 +41,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +60,7 @@ _VERSION = 1
 _HEADER = struct.Struct("!BI")
 _NUMBERS = struct.Struct("!QQQQB")  # storage size, storage offset, ref-counter offset, tensor offset, event sync
 _LENGTH = struct.Struct("!I")
+LIVENESS_CHECK_S = 1.0  # a cached object's owner is checked for liveness at most this often
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,7 @@ class CudaIpcTransport(Transport):
         self._lock = threading.Lock()
         self._opened: dict[bytes, list[torch.Tensor]] = {}  # object id -> the producer's tensors, mapped
         self._pending: dict[bytes, dict[torch.device, torch.cuda.Event]] = {}  # object id -> last copy per device
+        self._alive_at: dict[tuple[int, int], float] = {}  # owner (pid, start time) -> last seen alive
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():
@@ -187,14 +195,27 @@ class CudaIpcTransport(Transport):
 
     # ------------------------------------------------------------------ consumer
 
+    def _owner_alive(self, request: FetchRequest, *, cached: bool) -> bool:
+        """Whether the owner may be alive; asks (a syscall) unless a cached object's owner
+        was seen alive less than ``LIVENESS_CHECK_S`` ago."""
+        key = (request.owner.pid, request.owner.start_time)
+        now = time.monotonic()
+        if cached and now - self._alive_at.get(key, -LIVENESS_CHECK_S) < LIVENESS_CHECK_S:
+            return True
+        if not self.context.peer_may_be_alive(request.owner):
+            self._alive_at.pop(key, None)
+            return False
+        self._alive_at[key] = now
+        return True
+
     def _open(self, request: FetchRequest) -> list[torch.Tensor]:
         """The producer's tensors, mapped into this process (opened once per object)."""
-        if not self.context.peer_may_be_alive(request.owner):
+        with self._lock:
+            cached = self._opened.get(request.object_id)
+        if not self._owner_alive(request, cached=cached is not None):
             with self._lock:
                 self._opened.pop(request.object_id, None)  # its memory went with it
             self.context.check_owner(request)  # raises OwnerDiedError
-        with self._lock:
-            cached = self._opened.get(request.object_id)
         if cached is not None:
             return cached
         handle = request.handle or self.context.request_export(request, self.name)  # this process's own share
@@ -253,7 +274,9 @@ class CudaIpcTransport(Transport):
             with self._lock:
                 events = self._pending.setdefault(request.object_id, {})
             for device in devices:  # the last copy on each device; mappings close after it
-                event = events.setdefault(device, torch.cuda.Event())
+                event = events.get(device)
+                if event is None:  # one event per object and device, recorded again by each fetch
+                    event = events[device] = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(device))
 
     def view(self, request: FetchRequest) -> list[torch.Tensor]:

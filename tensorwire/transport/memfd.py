@@ -7,10 +7,15 @@ from the producer's :class:`FdServer`, over a Unix socket in the user's private 
 directory (``SCM_RIGHTS``), after presenting the segment's key and its capability token; the
 server also checks that the connecting process runs as the same user (``SO_PEERCRED``).
 
-Wire format (fixed binary, never pickled): a request is ``b"TWFD"``, a version byte, then
-the key and the token, each as a 2-byte big-endian length and its bytes. The reply is a
-status byte and the segment's size as 8 bytes; with status ``OK`` one descriptor comes with
-it. A connection serves any number of requests, one at a time.
+Wire format (fixed binary, never pickled): a request is ``b"TWFD"``, a kind byte (1: the
+descriptor, 2: the segment's *addresses*), then the key and the token, each as a 2-byte
+big-endian length and its bytes. The reply is a status byte and a size as 8 bytes; with
+status ``OK`` a descriptor request gets one descriptor (the size is the segment's), an
+address request the size's bytes of the owner's address list (:mod:`tensorwire.transport.cma`).
+A connection serves any number of requests, one at a time.
+
+A segment may be offered *lazily* (:meth:`FdServer.offer_lazy`): it is made on the first
+descriptor request, so an object only ever read through its addresses is never packed.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 from tensorwire.errors import PermissionDeniedError, TransferTimeoutError, TransportError, TransportUnavailableError
 
@@ -42,7 +48,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"TWFD\x01"
+_MAGIC = b"TWFD"
+_DESCRIPTOR, _ADDRESSES = 1, 2  # request kinds
 _REPLY = struct.Struct("!BQ")
 _MAX_FIELD = 256  # bytes of a key or token
 
@@ -92,12 +99,12 @@ def _read_exact(connection: socket.socket, nbytes: int) -> bytes:
     return data
 
 
-def _read_request(connection: socket.socket) -> tuple[bytes, bytes] | None:
-    """One request's key and token; None when the peer closed. ``ValueError`` if malformed."""
-    magic = _read_exact(connection, len(_MAGIC))
+def _read_request(connection: socket.socket) -> tuple[int, bytes, bytes] | None:
+    """One request's kind, key and token; None when the peer closed. ``ValueError`` if malformed."""
+    magic = _read_exact(connection, len(_MAGIC) + 1)
     if not magic:
         return None
-    if magic != _MAGIC:
+    if magic[:-1] != _MAGIC or magic[-1] not in (_DESCRIPTOR, _ADDRESSES):
         raise ValueError("not a tensorwire descriptor request")
     fields = []
     for _ in range(2):
@@ -108,11 +115,23 @@ def _read_request(connection: socket.socket) -> tuple[bytes, bytes] | None:
         if length > _MAX_FIELD:
             raise ValueError("field too long")
         fields.append(_read_exact(connection, length) if length else b"")
-    return fields[0], fields[1]
+    return magic[-1], fields[0], fields[1]
 
 
-def _request(key: bytes, token: bytes) -> bytes:
-    return _MAGIC + struct.pack("!H", len(key)) + key + struct.pack("!H", len(token)) + token
+def _request(key: bytes, token: bytes, kind: int = _DESCRIPTOR) -> bytes:
+    return _MAGIC + bytes([kind]) + struct.pack("!H", len(key)) + key + struct.pack("!H", len(token)) + token
+
+
+class _Offer:
+    """One offered segment: its token, descriptor (-1 until made), size, maker, addresses."""
+
+    __slots__ = ("addresses", "fd", "lock", "make", "nbytes", "token")
+
+    def __init__(
+        self, token: bytes, fd: int, nbytes: int, make: Callable[[], tuple[int, int]] | None, addresses: bytes
+    ) -> None:
+        self.token, self.fd, self.nbytes, self.make, self.addresses = token, fd, nbytes, make, addresses
+        self.lock = threading.Lock()
 
 
 class FdServer:
@@ -122,7 +141,7 @@ class FdServer:
 
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, f"{secrets.token_hex(8)}.fds")
-        self._segments: dict[bytes, tuple[bytes, int, int]] = {}  # key -> (token, fd, size)
+        self._segments: dict[bytes, _Offer] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -132,30 +151,56 @@ class FdServer:
         self._thread = threading.Thread(target=self._accept_loop, name="tensorwire-fd-server", daemon=True)
         self._thread.start()
 
-    def offer(self, key: bytes, token: bytes, fd: int, nbytes: int) -> None:
+    def offer(self, key: bytes, token: bytes, fd: int, nbytes: int, *, addresses: bytes = b"") -> None:
         """Owner: serve ``fd`` (this server now owns it) to whoever presents ``token``."""
+        self._put(key, _Offer(token, fd, nbytes, None, addresses))
+
+    def offer_lazy(self, key: bytes, token: bytes, make: Callable[[], tuple[int, int]], *, addresses: bytes) -> None:
+        """Owner: serve ``addresses`` to whoever presents ``token``, and a segment that
+        ``make()`` returns (descriptor, which this server then owns, and size) on the first
+        descriptor request; an error it raises answers that request ``UNKNOWN``."""
+        self._put(key, _Offer(token, -1, 0, make, addresses))
+
+    def _put(self, key: bytes, offer: _Offer) -> None:
         with self._lock:
             old = self._segments.pop(key, None)
-            self._segments[key] = (token, fd, nbytes)
-        if old is not None:
-            os.close(old[1])
+            self._segments[key] = offer
+        if old is not None and old.fd >= 0:
+            os.close(old.fd)
 
     def withdraw(self, key: bytes) -> None:
         """Owner: stop serving ``key`` and close its descriptor; mappings stay valid."""
         with self._lock:
             entry = self._segments.pop(key, None)
         if entry is not None:
-            os.close(entry[1])
+            with entry.lock:  # not while a lazy segment is being made
+                if entry.fd >= 0:
+                    os.close(entry.fd)
+                entry.fd = -2
 
-    def _lookup(self, key: bytes, token: bytes) -> tuple[FdStatus, int, int]:
-        """The status, a duplicate descriptor (-1 unless OK; the caller closes it) and size."""
-        with self._lock:  # withdraw() cannot close the descriptor while it is duplicated
+    def _lookup(self, kind: int, key: bytes, token: bytes) -> tuple[FdStatus, int, int, bytes]:
+        """The status, a duplicate descriptor (-1 unless OK; the caller closes it), the size
+        and the address list (address requests)."""
+        with self._lock:
             entry = self._segments.get(key)
-            if entry is None:
-                return FdStatus.UNKNOWN, -1, 0
-            if not hmac.compare_digest(entry[0], token):
-                return FdStatus.DENIED, -1, 0
-            return FdStatus.OK, os.dup(entry[1]), entry[2]
+        if entry is None:
+            return FdStatus.UNKNOWN, -1, 0, b""
+        if not hmac.compare_digest(entry.token, token):
+            return FdStatus.DENIED, -1, 0, b""
+        if kind == _ADDRESSES:
+            if not entry.addresses:
+                return FdStatus.UNKNOWN, -1, 0, b""
+            return FdStatus.OK, -1, len(entry.addresses), entry.addresses
+        with entry.lock:  # withdraw() cannot close the descriptor while it is duplicated
+            if entry.fd == -1 and entry.make is not None:
+                try:
+                    entry.fd, entry.nbytes = entry.make()
+                except Exception as e:  # noqa: BLE001 - the consumer falls back to another transport
+                    logger.warning("fd server: could not make a segment: %s", e)
+                    return FdStatus.UNKNOWN, -1, 0, b""
+            if entry.fd < 0:
+                return FdStatus.UNKNOWN, -1, 0, b""
+            return FdStatus.OK, os.dup(entry.fd), entry.nbytes, b""
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -182,12 +227,12 @@ class FdServer:
                     return
                 if request is None:
                     return
-                status, fd, nbytes = self._lookup(*request)
+                status, fd, nbytes, addresses = self._lookup(*request)
                 try:
                     if fd >= 0:
                         socket.send_fds(connection, [_REPLY.pack(status, nbytes)], [fd])
                     else:
-                        connection.sendall(_REPLY.pack(status, 0))
+                        connection.sendall(_REPLY.pack(status, len(addresses)) + addresses)
                 except OSError:
                     return
                 finally:
@@ -204,8 +249,11 @@ class FdServer:
             os.unlink(self.path)
         with self._lock:
             entries, self._segments = list(self._segments.values()), {}
-        for _, fd, _ in entries:
-            os.close(fd)
+        for entry in entries:
+            with entry.lock:
+                if entry.fd >= 0:
+                    os.close(entry.fd)
+                entry.fd = -2
 
 
 class FdClient:
@@ -248,6 +296,20 @@ class FdClient:
             SegmentUnknownError: It has no such segment. PermissionDeniedError: wrong token.
             TransferTimeoutError: No answer before the deadline.
         """
+        nbytes, fds, _ = self._ask(path, _DESCRIPTOR, key, token, deadline)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise TransportError(f"descriptor server {path} sent {len(fds)} descriptors, not one")
+        return fds[0], nbytes
+
+    def addresses(self, path: str, key: bytes, token: bytes, *, deadline: float) -> bytes:
+        """The address list the owner offered with segment ``key`` (raises like :meth:`receive`;
+        ``SegmentUnknownError`` also when it offered none)."""
+        return self._ask(path, _ADDRESSES, key, token, deadline)[2]
+
+    def _ask(self, path: str, kind: int, key: bytes, token: bytes, deadline: float) -> tuple[int, list[int], bytes]:
+        """One request answered OK: (size, descriptors, address bytes); raises otherwise."""
         if not path.endswith(".fds") or "\0" in path:
             raise TransportError(f"invalid descriptor server address {path!r}")
         for attempt in range(2):  # a kept connection the server closed is made again once
@@ -255,13 +317,20 @@ class FdClient:
             if left <= 0:
                 raise TransferTimeoutError(f"no descriptor from {path} before the deadline")
             connection, lock = self._connection(path, left)
+            extra = b""
             try:
                 with lock:
                     connection.settimeout(left)
-                    connection.sendall(_request(key, token))
+                    connection.sendall(_request(key, token, kind))
                     message, fds, _, _ = socket.recv_fds(connection, _REPLY.size, 1)
-            except TimeoutError:
+                    if len(message) == _REPLY.size and kind == _ADDRESSES and message[0] == FdStatus.OK:
+                        extra = _read_exact(connection, _REPLY.unpack(message)[1])
+                        if len(extra) != _REPLY.unpack(message)[1]:
+                            message = b""  # closed mid-reply
+            except (TimeoutError, ValueError) as e:
                 self._drop(path)
+                if isinstance(e, ValueError):
+                    raise ConnectionResetError(f"descriptor server {path} closed the connection") from None
                 raise TransferTimeoutError(f"no descriptor from {path} before the deadline") from None
             except OSError:
                 self._drop(path)
@@ -276,8 +345,8 @@ class FdClient:
                     raise ConnectionResetError(f"descriptor server {path} closed the connection")
                 continue
             status, nbytes = _REPLY.unpack(message)
-            if status == FdStatus.OK and len(fds) == 1:
-                return fds[0], nbytes
+            if status == FdStatus.OK:
+                return nbytes, fds, extra
             for fd in fds:
                 os.close(fd)
             if status == FdStatus.UNKNOWN:

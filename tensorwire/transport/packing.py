@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -26,11 +28,42 @@ __all__ = [
     "iter_stream_chunks",
     "message_plan",
     "packed_layout",
+    "parallel_copy",
 ]
 
 ALIGNMENT = 64
 COPY_STEP_NBYTES = 16 << 20  # a deadline is checked after each step of a long copy (a few ms here)
 _SLOW_COPY_BYTES_PER_S = 0.5e9  # a loaded machine's copy rate, for "surely done in time"
+PARALLEL_MIN_NBYTES = 32 << 20  # copies at least this large use every core (up to COPY_THREADS)
+COPY_THREADS = min(4, os.cpu_count() or 1)
+
+
+def parallel_copy(out: np.ndarray, source: np.ndarray, threads: int = COPY_THREADS) -> None:
+    """``np.copyto(out, source)`` (flat byte arrays of one size), cut over ``threads`` threads
+    when it is at least ``PARALLEL_MIN_NBYTES`` (numpy lets go of the GIL while it copies).
+    Measured here (2 cores, 64 MiB from memory already mapped): 10.6 GB/s with one thread,
+    13.5 GB/s with two."""
+    size = len(source)
+    if threads <= 1 or size < PARALLEL_MIN_NBYTES:
+        np.copyto(out, source)
+        return
+    step = -(-size // threads // ALIGNMENT) * ALIGNMENT
+    errors: list[BaseException] = []
+
+    def part(start: int) -> None:
+        try:
+            np.copyto(out[start : start + step], source[start : start + step])
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors.append(e)
+
+    helpers = [threading.Thread(target=part, args=(start,), daemon=True) for start in range(step, size, step)]
+    for helper in helpers:
+        helper.start()
+    part(0)
+    for helper in helpers:
+        helper.join()
+    if errors:
+        raise errors[0]
 
 
 def copy_before(out: np.ndarray, source: np.ndarray, deadline: float, what: str) -> None:
@@ -45,12 +78,12 @@ def copy_before(out: np.ndarray, source: np.ndarray, deadline: float, what: str)
     if left_s <= 0:
         raise TransferTimeoutError(f"{what}: not complete before the deadline (0 of {len(source)} bytes)")
     if left_s > len(source) / _SLOW_COPY_BYTES_PER_S:
-        np.copyto(out, source)
+        parallel_copy(out, source)
         return
     for start in range(0, len(source), COPY_STEP_NBYTES):
         if start and time.monotonic() >= deadline:
             raise TransferTimeoutError(f"{what}: not complete before the deadline ({start} of {len(source)} bytes)")
-        np.copyto(out[start : start + COPY_STEP_NBYTES], source[start : start + COPY_STEP_NBYTES])
+        parallel_copy(out[start : start + COPY_STEP_NBYTES], source[start : start + COPY_STEP_NBYTES])
 
 
 def packed_layout(nbytes: Iterable[int]) -> tuple[list[int], int]:

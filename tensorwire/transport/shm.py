@@ -17,6 +17,15 @@ bytes: the producer clears it when it frees the object, and a consumer reads it 
 before every fetch from a kept descriptor, so a fetch after ``free()`` is still
 ``ObjectFreedError``. Kept descriptors are closed when the consumer drops its last reference
 (``forget_object``).
+
+Direct reads (:mod:`tensorwire.transport.cma`): where the kernel lets a process read a
+sibling's memory, a fetch into buffers skips the segment altogether. The producer's export
+then packs nothing: it offers the segment *lazily* (made on the first descriptor request:
+a view, or a consumer that cannot read directly) together with the addresses of its tensors,
+which the descriptor server hands out, like descriptors, only for the object's token. The
+consumer copies once, ``process_vm_readv`` from the producer's tensors into its buffers,
+then checks the object's live word. Such a fetch reads the producer's tensors as they are
+at the fetch (like the two-sided transports), not as they were when the reference left.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import numpy as np
 import torch
 
 from tensorwire.errors import TransportError, TransportUnavailableError
-from tensorwire.transport import memfd, topology
+from tensorwire.transport import cma, memfd, topology
 from tensorwire.transport.base import (
     Capabilities,
     CostModel,
@@ -45,7 +54,7 @@ from tensorwire.transport.base import (
     TransportContext,
 )
 from tensorwire.transport.control import socket_dir
-from tensorwire.transport.packing import byte_view, copy_before
+from tensorwire.transport.packing import COPY_THREADS, byte_view, copy_before
 
 __all__ = ["ShmTransport"]
 
@@ -54,6 +63,7 @@ logger = logging.getLogger(__name__)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _LIVE, _FREED = b"\x01", b"\x00"
 _KEPT_MAX = 1024  # descriptors a consumer keeps for objects it holds (least recently used go)
+_LIVE_WORDS = cma.LiveWords()  # the producer's live words of directly readable objects
 
 
 class ShmTransport(Transport):
@@ -69,6 +79,8 @@ class ShmTransport(Transport):
         super().__init__(context)
         self._kept: collections.OrderedDict[tuple[bytes, bytes], int] = collections.OrderedDict()
         self._kept_lock = threading.Lock()
+        self._direct: collections.OrderedDict[tuple[bytes, bytes], cma.DirectRead] = collections.OrderedDict()
+        self.copy_threads = COPY_THREADS
 
     def unavailable_reason(self) -> str | None:
         """Any process: usable where ``memfd_create`` and descriptor passing exist (Linux)."""
@@ -79,43 +91,51 @@ class ShmTransport(Transport):
     # ---------------------------------------------------------------- producer
 
     def export(self, obj: StoredObject) -> bytes | None:
-        """Producer: copy the object into a new segment and offer it; returns the address of
-        this process's descriptor server.
+        """Producer: offer the object; returns the address of this process's descriptor server.
 
-        Blocks for one copy of the object (``pwrite``: no memory is an error, not a SIGBUS).
-        Raises ``TransportUnavailableError`` when the memory cannot be had (the agent then
-        leaves consumers to another transport).
+        With direct reads on, nothing is copied now: the server hands out the tensors'
+        addresses and makes the segment on the first descriptor request. Otherwise blocks for
+        one copy of the object into a new segment (``pwrite``: no memory is an error, not a
+        SIGBUS); raises ``TransportUnavailableError`` when the memory cannot be had (the agent
+        then leaves consumers to another transport).
         """
         if any(t.device.type != "cpu" for t in obj.tensors):
             return None  # device memory goes by cuda_ipc, or two-sided transports that stage it
-        fd = memfd.create_memfd(obj.packed_nbytes + len(_LIVE))
+        server = memfd.fd_server(socket_dir())
+        if cma.enabled():
+            slot, live_address, nonce = _LIVE_WORDS.take()
+            ranges = [(t.data_ptr() if m.nbytes else 0, m.nbytes) for t, m in zip(obj.tensors, obj.metas, strict=True)]
+            own: list[int] = []
+            obj.transport_state[self.name] = (server, own, slot)
+            server.offer_lazy(
+                obj.object_id,
+                obj.token,
+                lambda: _served(_pack(obj), own),
+                addresses=cma.pack_addresses(live_address, nonce, ranges),
+            )
+            return server.path.encode()
+        fd = _pack(obj)
         try:
-            for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
-                if meta.nbytes:
-                    _write_all(fd, memoryview(byte_view(tensor).numpy()), meta.offset)
-            os.pwrite(fd, _LIVE, obj.packed_nbytes)
-            server = memfd.fd_server(socket_dir())
             server.offer(obj.object_id, obj.token, os.dup(fd), obj.packed_nbytes + len(_LIVE))
-        except OSError as e:
-            os.close(fd)
-            _raise_no_room(e, obj.packed_nbytes)
-            raise
         except BaseException:
             os.close(fd)
             raise
-        obj.transport_state[self.name] = (server, fd)
+        obj.transport_state[self.name] = (server, [fd], None)
         return server.path.encode()
 
     def release(self, obj: StoredObject) -> None:
-        """Producer: mark the segment freed and withdraw it; mappings consumers hold stay valid."""
+        """Producer: mark the object freed and withdraw it; mappings consumers hold stay valid."""
         state = obj.transport_state.pop(self.name, None)
         if isinstance(state, tuple):
-            server, fd = state
-            try:
-                os.pwrite(fd, _FREED, obj.packed_nbytes)
-            finally:
-                os.close(fd)
-                server.withdraw(obj.object_id)
+            server, own, slot = state
+            if slot is not None:
+                _LIVE_WORDS.clear(slot)
+            server.withdraw(obj.object_id)  # waits for a segment being made
+            for fd in own:
+                try:
+                    os.pwrite(fd, _FREED, obj.packed_nbytes)
+                finally:
+                    os.close(fd)
 
     def close(self) -> None:
         """Any process, at agent shutdown: close kept descriptors, the server and the client."""
@@ -130,6 +150,8 @@ class ShmTransport(Transport):
     def forget_object(self, object_id: bytes) -> None:
         """Consumer: close the descriptors kept for ``object_id``."""
         with self._kept_lock:
+            for key in [k for k in self._direct if k[0] == object_id]:
+                del self._direct[key]
             keys = [k for k in self._kept if k[0] == object_id]
             fds = [self._kept.pop(k) for k in keys]
         for fd in fds:
@@ -187,9 +209,66 @@ class ShmTransport(Transport):
         self._keep(request, fd)
         return fd
 
+    def _addresses(self, request: FetchRequest) -> cma.DirectRead | None:
+        """What the owner said about the object's memory (kept while this process holds it);
+        None if it offers no addresses."""
+        key = (request.object_id, request.token)
+        with self._kept_lock:
+            found = self._direct.get(key)
+        if found is not None or request.handle is None:
+            return found
+        try:
+            data = memfd.fd_client().addresses(
+                request.handle.decode(), request.object_id, request.token, deadline=request.deadline
+            )
+        except (memfd.SegmentUnknownError, OSError):
+            return None  # the segment path tells freed from "no direct reads"
+        found = cma.unpack_addresses(data)
+        if [n for _, n in found.ranges] != [m.nbytes for m in request.metas]:
+            raise TransportError(f"the owner of {request!r} described tensors of other sizes than its reference's")
+        if self.context.holds(request.object_id):
+            with self._kept_lock:
+                self._direct[key] = found
+                while len(self._direct) > _KEPT_MAX:
+                    self._direct.popitem(last=False)
+        return found
+
+    def _fetch_direct(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> bool:
+        """Copy straight from the owner's tensors; False when the segment path must do it."""
+        found = self._addresses(request)
+        if found is None:
+            return False
+        local = []
+        for meta, out in zip(request.metas, dst, strict=True):
+            if out.numel() * out.element_size() != meta.nbytes or not out.is_contiguous():
+                return False  # not one buffer of the right size: the segment path copies
+            local.append((out.data_ptr(), meta.nbytes))
+        try:
+            live = cma.read_into(
+                request.owner.pid,
+                found,
+                local,
+                threads=self.copy_threads,
+                deadline=request.deadline,
+                what=f"shm direct read of {request!r}",
+            )
+        except cma.PermissionLost as e:
+            logger.info("shm: direct reads are off in this process (%s); using segments", e)
+            return False
+        except OSError:
+            live = False
+        if live:
+            return True
+        self.forget_object(request.object_id)
+        self.context.check_owner(request)  # raises ObjectFreedError / OwnerDiedError
+        return False  # live, but its memory did not answer as described (another pid namespace?)
+
     def fetch(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> None:
-        """Consumer: get the segment (one round trip), map it read-only and copy into ``dst``;
+        """Consumer: copy the owner's tensors straight into ``dst`` where the kernel allows
+        it, else get the segment (one round trip), map it read-only and copy into ``dst``;
         blocks for the copy, bounded by the request's deadline."""
+        if cma.enabled() and self._fetch_direct(request, dst):
+            return
         fd = self._open(request)
         try:
             size = max(request.packed_nbytes, 1)
@@ -213,6 +292,30 @@ class ShmTransport(Transport):
             os.close(fd)
         buffer = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))  # keeps ``mm`` alive
         return [_tensor_at(buffer, meta) for meta in request.metas]
+
+
+def _pack(obj: StoredObject) -> int:
+    """A new segment holding the object's packed bytes and the live byte (the caller owns it)."""
+    fd = memfd.create_memfd(obj.packed_nbytes + len(_LIVE))
+    try:
+        for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
+            if meta.nbytes:
+                _write_all(fd, memoryview(byte_view(tensor).numpy()), meta.offset)
+        os.pwrite(fd, _LIVE, obj.packed_nbytes)
+    except OSError as e:
+        os.close(fd)
+        _raise_no_room(e, obj.packed_nbytes)
+        raise
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _served(fd: int, own: list[int]) -> tuple[int, int]:
+    """A lazily made segment: the producer keeps ``fd`` (to mark it freed), the server a copy."""
+    own.append(fd)
+    return os.dup(fd), os.fstat(fd).st_size
 
 
 def _raise_no_room(error: OSError, size: int) -> None:

@@ -131,3 +131,13 @@ def test_a_broken_dlpack_producer_is_a_clear_type_error():
 
     with pytest.raises(TypeError, match=r"value\['x'\]: Broken could not be read through DLPack"):
         flatten({"x": Broken(torch.zeros(2))})
+
+
+def test_a_lone_tensors_skeleton_is_pickled_once_and_loads_as_its_slot():
+    from tensorwire.runtime import values
+
+    first = values.dumps_skeleton(values.Slot(0))
+    assert values.dumps_skeleton(values.Slot(0)) is first  # reused, not pickled again
+    loaded = pickle.loads(first)
+    assert type(loaded) is values.Slot and loaded.index == 0
+    assert pickle.loads(values.dumps_skeleton(values.Slot(3))).index == 3

@@ -182,3 +182,37 @@ def test_cupy_memory_is_not_offered_to_cuda_ipc():
     sel = select(a, b, value, CAPS, usable_here=ALL)
     assert "allocated by cupy or another DLPack producer" in dict(sel.rejected)["cuda_ipc"]
     assert sel.best == "ucx"
+
+
+def test_cuda_ipc_checks_a_cached_objects_owner_at_most_once_a_second(monkeypatch):
+    """The hot path of a repeated fetch makes no liveness syscall (GPU fixed cost); the owner
+    is still asked when an object is first opened and again after LIVENESS_CHECK_S."""
+    from tensorwire.errors import OwnerDiedError
+    from tensorwire.transport import cuda_ipc
+    from tensorwire.transport.base import FetchRequest
+
+    alive, asked = [True], []
+
+    def check_owner(request):
+        raise OwnerDiedError("owner died")
+
+    context = SimpleNamespace(peer_may_be_alive=lambda peer: asked.append(peer) or alive[0], check_owner=check_owner)
+    transport = CudaIpcTransport(context)
+    clock = [100.0]
+    monkeypatch.setattr(cuda_ipc.time, "monotonic", lambda: clock[0])
+    mapped = [torch.zeros(3)]
+    transport._opened[b"o" * 16] = mapped
+    owner = SimpleNamespace(pid=4242, start_time=7)
+    request = FetchRequest(b"o" * 16, b"t" * 16, owner, (), 0, b"", clock[0] + 60)
+    assert transport._open(request) is mapped and len(asked) == 1  # first use of this owner: asked
+    for _ in range(5):
+        clock[0] += 0.1
+        assert transport._open(request) is mapped
+    assert len(asked) == 1  # within LIVENESS_CHECK_S: no syscall per fetch
+    clock[0] += cuda_ipc.LIVENESS_CHECK_S
+    assert transport._open(request) is mapped and len(asked) == 2
+    alive[0] = False
+    clock[0] += cuda_ipc.LIVENESS_CHECK_S
+    with pytest.raises(OwnerDiedError):
+        transport._open(request)
+    assert b"o" * 16 not in transport._opened  # the dead owner's mapping is let go

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tensorwire.errors import TransferAbortedError
+from tensorwire.transport import packing
 from tensorwire.transport.packing import ALIGNMENT, ByteSink, iter_stream_chunks, packed_layout
 
 
@@ -51,3 +53,16 @@ def test_message_plan_packs_small_tensors_and_keeps_large_ones_alone():
     assert plan == [[0], [3], [2], [6], [4, 5, 7]]  # larges alone; smalls in order, <= 100 B per message
     assert sorted(i for message in plan for i in message) == [i for i, n in enumerate(sizes) if n]
     assert message_plan([], small_nbytes=1, pack_nbytes=1) == []
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parallel_copy_copies_every_byte_of_an_odd_size(threads):
+    size = packing.PARALLEL_MIN_NBYTES + 12_345  # above the threshold, not a multiple of anything
+    source = np.frombuffer(np.random.default_rng(threads).bytes(size), dtype=np.uint8)
+    out = np.zeros(size, dtype=np.uint8)
+    packing.parallel_copy(out, source, threads)
+    assert np.array_equal(out, source)
+    small = np.arange(100, dtype=np.uint8)
+    out_small = np.zeros(100, dtype=np.uint8)
+    packing.parallel_copy(out_small, small, threads)  # below the threshold: one call
+    assert np.array_equal(out_small, small)

@@ -1,11 +1,17 @@
 """shm specifics: anonymous segments handed out only for the token, freed with their
-holders (SIGKILL included), nothing named in /dev/shm, out of memory."""
+holders (SIGKILL included), nothing named in /dev/shm, out of memory; direct reads
+(process_vm_readv) handed addresses only for the token, checked against the live word,
+with segments as the fallback.
+
+Tests of segment packing itself run with direct reads off in the producer
+(``segments_only``): with them on, a segment is made only when a consumer asks for one."""
 
 from __future__ import annotations
 
 import errno
 import os
 import pickle
+import re
 import socket
 import struct
 import time
@@ -14,13 +20,19 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.transport import memfd, shm
+from tensorwire.transport import cma, memfd, shm
 from tests.helpers.observe import memfd_segments, segment_names, wait_until
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
 
-def test_segment_is_anonymous_and_closed_on_free(agent, worker):
+@pytest.fixture
+def segments_only(monkeypatch):
+    """Direct reads off in this process: shm packs every object when its reference leaves."""
+    monkeypatch.setenv("TENSORWIRE_SHM_DIRECT", "0")
+
+
+def test_segment_is_anonymous_and_closed_on_free(agent, worker, segments_only):
     before = memfd_segments({os.getpid()})
     named_before = segment_names()
     value = torch.randn(100_000)
@@ -34,7 +46,9 @@ def test_segment_is_anonymous_and_closed_on_free(agent, worker):
     assert memfd_segments({os.getpid()}) == before
 
 
-def test_forged_token_reads_nothing_over_shm(agent, worker):
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_forged_token_reads_nothing_over_shm(agent, worker, monkeypatch, direct):
+    monkeypatch.setenv("TENSORWIRE_SHM_DIRECT", direct)
     value = torch.full((100_000,), 5, dtype=torch.uint8)
     ref = tw.put(value)
     blob = pickle.dumps(ref)
@@ -82,7 +96,7 @@ def test_descriptor_server_refuses_wrong_tokens_and_malformed_requests(tmp_path)
 
 
 def test_a_killed_producer_leaves_no_memory_behind():
-    w = Worker()
+    w = Worker(env={"TENSORWIRE_SHM_DIRECT": "0"})
     try:
         ref = w.call("tests.helpers.tasks:put_filled", 1 << 20)
         pickle.dumps(ref)  # the worker exported a segment for this reference
@@ -100,7 +114,9 @@ def _all_pids() -> set[int]:
     return {int(p) for p in os.listdir("/proc") if p.isdigit()}
 
 
-def test_full_dev_shm_falls_back_to_a_two_sided_transport_with_a_warning(agent, worker, monkeypatch, caplog):
+def test_full_dev_shm_falls_back_to_a_two_sided_transport_with_a_warning(
+    agent, worker, monkeypatch, caplog, segments_only
+):
     def no_room(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -117,7 +133,7 @@ def test_full_dev_shm_falls_back_to_a_two_sided_transport_with_a_warning(agent, 
     caplog.clear()  # the captured warning's exception keeps the object alive (the leak guard would see it)
 
 
-def test_forced_shm_on_full_dev_shm_is_a_clear_error(agent, worker, monkeypatch, caplog):
+def test_forced_shm_on_full_dev_shm_is_a_clear_error(agent, worker, monkeypatch, caplog, segments_only):
     monkeypatch.setattr(shm.os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     ref = tw.put(torch.randn(200_000))
     with pytest.warns(RuntimeWarning):
@@ -125,3 +141,184 @@ def test_forced_shm_on_full_dev_shm_is_a_clear_error(agent, worker, monkeypatch,
         blob = pickle.dumps(ref)
     assert worker.call("tests.helpers.tasks:get_error", pickle.loads(blob), transport="shm") == "TransportError"
     caplog.clear()  # the captured warning's exception keeps the object alive (the leak guard would see it)
+
+
+# ---------------------------------------------------------------------- direct reads
+
+needs_direct = pytest.mark.skipif(
+    cma.unavailable_reason() is not None, reason=f"direct reads unavailable here: {cma.unavailable_reason()}"
+)
+
+
+@needs_direct
+def test_direct_read_copies_once_and_makes_no_segment(agent, worker):
+    before = memfd_segments({os.getpid()})
+    value = torch.arange(300_000, dtype=torch.float32) + 5
+    ref = tw.put(value)
+    blob = pickle.dumps(ref)
+    assert worker.call("tests.helpers.tasks:get_transport", pickle.loads(blob)) == (digest(value), "shm")
+    assert memfd_segments({os.getpid()}) == before  # read from the tensor itself: nothing packed
+    value.add_(1)  # a direct read sees the tensor as it is at the fetch (like two-sided transports)
+    assert worker.call("tests.helpers.tasks:get_digest", pickle.loads(blob), transport="shm") == digest(value)
+    view = worker.call("tests.helpers.tasks:view_and_write_with", pickle.loads(blob), "shm")
+    assert (view["zero_copy"], view["first"], view["after_write"], view["again"]) == (True, 6, -1, 6)
+    # a view still maps a segment, made on request
+    assert len(memfd_segments({os.getpid()}) - before) == 1
+    tw.free(ref)
+    assert memfd_segments({os.getpid()}) == before
+    assert worker.call("tests.helpers.tasks:get_error", pickle.loads(blob), transport="shm") == "ObjectFreedError"
+
+
+def test_address_requests_need_the_token_and_never_make_the_segment(tmp_path):
+    server = memfd.FdServer(str(tmp_path))
+    client = memfd.FdClient()
+    made = []
+
+    def make():
+        made.append(1)
+        fd = memfd.create_memfd(64)
+        os.pwrite(fd, b"xyz", 0)
+        return fd, 64
+
+    try:
+        addresses = cma.pack_addresses(0x1000, 0x55, [(0x2000, 10), (0, 0)])
+        server.offer_lazy(b"k" * 16, b"t" * 16, make, addresses=addresses)
+        deadline = time.monotonic() + 10
+        with pytest.raises(tw.PermissionDeniedError):
+            client.addresses(server.path, b"k" * 16, b"x" * 16, deadline=deadline)
+        got = cma.unpack_addresses(client.addresses(server.path, b"k" * 16, b"t" * 16, deadline=deadline))
+        assert (got.live_address, got.nonce, got.ranges, made) == (0x1000, 0x55, [(0x2000, 10), (0, 0)], [])
+        with pytest.raises(tw.PermissionDeniedError):
+            client.receive(server.path, b"k" * 16, b"x" * 16, deadline=deadline)
+        assert made == []  # a wrong token makes nothing either
+        fd, nbytes = client.receive(server.path, b"k" * 16, b"t" * 16, deadline=deadline)
+        assert (os.pread(fd, 3, 0), nbytes, made) == (b"xyz", 64, [1])
+        os.close(fd)
+        fd, _ = client.receive(server.path, b"k" * 16, b"t" * 16, deadline=deadline)
+        os.close(fd)
+        assert made == [1]  # made once
+        server.withdraw(b"k" * 16)
+        with pytest.raises(memfd.SegmentUnknownError):
+            client.addresses(server.path, b"k" * 16, b"t" * 16, deadline=deadline)
+    finally:
+        client.close()
+        server.close()
+
+
+@needs_direct
+def test_read_into_checks_the_live_word_and_splits_over_threads():
+    words = cma.LiveWords()
+    slot, address, nonce = words.take()
+    src = torch.arange(40 << 20, dtype=torch.uint8)  # large enough for two threads
+    small = torch.full((100,), 3, dtype=torch.uint8)
+    info = cma.DirectRead(address, nonce, [(src.data_ptr(), src.numel()), (small.data_ptr(), 100)])
+    out, out_small = torch.zeros_like(src), torch.zeros_like(small)
+    local = [(out.data_ptr(), out.numel()), (out_small.data_ptr(), 100)]
+    assert cma.read_into(os.getpid(), info, local, threads=2)
+    assert torch.equal(out, src) and torch.equal(out_small, small)
+    words.clear(slot)
+    assert not cma.read_into(os.getpid(), info, local, threads=1)  # freed: the bytes are not to be used
+    runs = cma._split([(0, 100, 10), (10, 200, 30)], 2)
+    assert runs == [[(0, 100, 10), (10, 200, 10)], [(20, 210, 20)]]
+
+
+@needs_direct
+def test_a_refused_direct_read_falls_back_to_the_segment(agent, worker, monkeypatch):
+    ref = worker.call("tests.helpers.tasks:put_filled", 1 << 20, 9)
+
+    def refused(pid, pieces):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(cma, "_read_pieces", refused)
+    monkeypatch.setattr(cma, "_checked", True)
+    monkeypatch.setattr(cma, "_reason", None)
+    got = tw.get(ref, transport="shm")
+    assert torch.equal(got, torch.full((1 << 20,), 9, dtype=torch.uint8))
+    assert cma.unavailable_reason() == "process_vm_readv was refused (Operation not permitted)"
+
+
+def test_partial_direct_reads_resume_where_the_kernel_stopped(monkeypatch):
+    """process_vm_readv may copy less than asked (the kernel stops at a page it cannot
+    read): every piece still arrives whole, in order, even cut mid-piece."""
+    import ctypes
+
+    import numpy as np
+
+    calls = []
+
+    def stingy(pid, local, count, remote, count2, flags):
+        words = ctypes.POINTER(ctypes.c_uint64)
+        dst = np.ctypeslib.as_array(ctypes.cast(local, words), (count, 2))
+        src = np.ctypeslib.as_array(ctypes.cast(remote, words), (count2, 2))
+        budget, copied = 7_000, 0  # less than one piece, not a multiple of anything
+        for (d, n), (r, _) in zip(dst.tolist(), src.tolist(), strict=True):
+            take = min(n, budget - copied)
+            ctypes.memmove(d, r, take)
+            copied += take
+            if copied == budget:
+                break
+        calls.append(count)
+        return copied
+
+    monkeypatch.setattr(cma, "_readv", lambda: stingy)
+    sources = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (10_000, 0, 3, 25_000)]
+    outs = [torch.zeros_like(s) for s in sources]
+    pieces = [(o.data_ptr(), s.data_ptr(), s.numel()) for o, s in zip(outs, sources, strict=True)]
+    cma._read_pieces(os.getpid(), pieces)
+    assert all(torch.equal(o, s) for o, s in zip(outs, sources, strict=True))
+    assert len(calls) == 6 and calls[0] == 3  # 35,003 bytes in 7,000-byte steps; the empty piece is skipped
+
+
+@needs_direct
+def test_a_direct_read_that_may_miss_its_deadline_goes_in_steps_and_says_so():
+    words = cma.LiveWords()
+    _, address, nonce = words.take()
+    src = torch.arange(40 << 20, dtype=torch.uint8)
+    info = cma.DirectRead(address, nonce, [(src.data_ptr(), src.numel())])
+    out = torch.zeros_like(src)
+    with pytest.raises(tw.TransferTimeoutError, match=r"shm test: not complete before the deadline") as caught:
+        cma.read_into(os.getpid(), info, [(out.data_ptr(), out.numel())], deadline=time.monotonic(), what="shm test")
+    done, total = (int(x) for x in re.search(r"\((\d+) of (\d+) bytes\)", str(caught.value)).groups())
+    assert (total, 0 < done <= cma.STEP_NBYTES) == (40 << 20, True)  # one step, then the time was up
+    assert torch.equal(out[:done], src[:done]) and not out[done:].any()
+    with pytest.raises(tw.TransportError, match="sizes and the consumer's buffers disagree"):
+        cma.read_into(os.getpid(), info, [(out.data_ptr(), 100)])
+    assert cma.read_into(os.getpid(), info, [(out.data_ptr(), out.numel())], deadline=time.monotonic() + 600)
+    assert torch.equal(out, src)
+
+
+@needs_direct
+def test_a_held_objects_kept_addresses_still_see_free_and_changes(agent, worker):
+    """A consumer that holds a reference keeps the owner's addresses (no round trip on the
+    next fetch); the live word still makes a fetch after free() an ObjectFreedError."""
+    value = torch.full((200_000,), 4, dtype=torch.uint8)
+    ref = tw.put(value)
+    worker.call("tests.helpers.tasks:hold", pickle.loads(pickle.dumps(ref)), "kept")
+    assert worker.call("tests.helpers.tasks:get_kept_error", "kept", transport="shm") == "ok"
+    value.fill_(6)  # another reference to the held object: the kept addresses serve it
+    assert worker.call("tests.helpers.tasks:get_digest", pickle.loads(pickle.dumps(ref)), transport="shm") == digest(
+        value
+    )
+    tw.free(ref)
+    assert worker.call("tests.helpers.tasks:get_kept_error", "kept", transport="shm") == "ObjectFreedError"
+    worker.call("tests.helpers.tasks:drop", "kept")
+
+
+@needs_direct
+def test_a_held_object_is_described_once(agent, worker, monkeypatch):
+    ref = worker.call("tests.helpers.tasks:put_filled", 1 << 20, 5)
+    asked = []
+    original = memfd.FdClient.addresses
+
+    def counting(self, *args, **kwargs):
+        asked.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(memfd.FdClient, "addresses", counting)
+    out = torch.zeros(1 << 20, dtype=torch.uint8)
+    for _ in range(3):
+        out.zero_()
+        tw.get(ref, out=out, transport="shm")
+        assert int(out.sum()) == 5 << 20
+    assert len(asked) == 1  # the addresses are kept while this process holds the reference
+    assert tw.stats()["recent"][-1].transport == "shm"
