@@ -8,7 +8,8 @@ import tensorwire as tw
 from tests.helpers import leaks
 
 
-def test_an_owned_object_and_its_segment_are_reported_until_freed(agent):
+def test_an_owned_object_and_its_segment_are_reported_until_freed(agent, monkeypatch):
+    monkeypatch.setenv("TENSORWIRE_SHM_DIRECT", "0")  # shm packs a segment when the reference leaves
     before = leaks.snapshot()
     ref = tw.put(torch.arange(1 << 20, dtype=torch.int32))
     agent.export_handles(ref._desc)  # a shared-memory segment, as a first pickle makes
@@ -21,9 +22,10 @@ def test_an_owned_object_and_its_segment_are_reported_until_freed(agent):
     assert leaks.leaks_since(before) == []
 
 
-def test_a_segment_descriptor_left_open_is_reported(agent):
+def test_a_segment_descriptor_left_open_is_reported(agent, monkeypatch):
     import os
 
+    monkeypatch.setenv("TENSORWIRE_SHM_DIRECT", "0")
     before = leaks.snapshot()
     ref = tw.put(torch.zeros(1 << 20, dtype=torch.uint8))
     agent.export_handles(ref._desc)
@@ -45,7 +47,7 @@ def test_a_segment_of_a_process_started_during_the_test_is_reported():
     from tests.helpers.procs import Worker
 
     before = leaks.snapshot()
-    worker = Worker()
+    worker = Worker(env={"TENSORWIRE_SHM_DIRECT": "0"})
     try:
         ref, _ = worker.call("tests.helpers.tasks:put_and_return", 1 << 20)  # exported: a segment in the worker
         problems = leaks.leaks_since(before, settle_s=0.2)
