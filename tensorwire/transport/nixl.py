@@ -121,6 +121,7 @@ class _Agent:
         self.table = torch.zeros(_SLOTS, dtype=torch.int64)  # producer: tags of live objects
         self.flags = torch.zeros(_SLOTS, dtype=torch.int64)  # consumer: where tags are read into
         self.table_reg, self.flags_reg = self.acquire([self.table, self.flags])
+        self.table_np, self.flags_np = self.table.numpy(), self.flags.numpy()  # cheaper to index
         self.free_table = list(range(_SLOTS))
         self.free_flags = list(range(_SLOTS))
 
@@ -272,7 +273,7 @@ class _Handle:
     conn_md: bytes
     partials: tuple[bytes, ...]
     rids: tuple[int, ...]
-    rows: np.ndarray
+    rows: Any  # producer: a _ROW array; decoded: (address, length, device, vram) tuples
     flag_addr: int
     tag: int
 
@@ -301,9 +302,10 @@ class _Handle:
                 pos += 4 + n
             rids = tuple(int(r) for r in np.frombuffer(data, ">u8", n_rids, pos))
             pos += 8 * n_rids
-            rows = np.frombuffer(data, _ROW, n_rows, pos)
-            if pos + rows.nbytes != len(data):
+            array = np.frombuffer(data, _ROW, n_rows, pos)
+            if pos + array.nbytes != len(data):
                 raise TransportError("nixl: trailing bytes in handle")
+            rows = [tuple(int(x) for x in r) for r in array.tolist()]  # (address, length, device, vram)
         except (struct.error, ValueError, UnicodeDecodeError) as e:
             raise TransportError(f"nixl: malformed handle ({e})") from None
         return cls(name, conn, tuple(partials), rids, rows, flag, tag)
@@ -368,7 +370,7 @@ class NixlTransport(Transport):
             raise TransportError(f"nixl: registering {obj.nbytes} bytes failed: {e}") from e
         obj.wait_ready()
         tag = secrets.randbits(63) | 1
-        agent.table[slot] = tag
+        agent.table_np[slot] = tag
         obj.transport_state[self.name] = (regs, slot)
         rows = np.zeros(len(tensors), dtype=_ROW)
         for i, t in enumerate(tensors):
@@ -384,7 +386,7 @@ class NixlTransport(Transport):
         if not isinstance(state, tuple) or agent is None:
             return
         regs, slot = state
-        agent.table[slot] = 0  # before the memory may go: a READ after this sees "freed"
+        agent.table_np[slot] = 0  # before the memory may go: a READ after this sees "freed"
         agent.free_table.append(slot)
         agent.unuse(regs)
 
@@ -405,18 +407,18 @@ class NixlTransport(Transport):
             agent.load_remote(handle)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own classes
             self._failed(request, f"loading agent {handle.name}'s metadata ({e})")
-        targets = [(t, row) for t, row in zip(dst, handle.rows, strict=True) if int(row["len"])]
+        targets = [(t, row) for t, row in zip(dst, handle.rows, strict=True) if row[1]]
         for t, row in targets:
-            if t.numel() * t.element_size() != int(row["len"]) or not t.is_contiguous():
+            if t.numel() * t.element_size() != row[1] or not t.is_contiguous():
                 raise TransportError("nixl: a destination buffer does not match the handle")
         slot = agent.take(agent.free_flags)
         if slot is None:
             raise TransportUnavailableError(f"nixl: {_SLOTS} fetches in flight in this process")
         regs = agent.acquire([t for t, _ in targets])
         try:
-            agent.flags[slot] = 0
+            agent.flags_np[slot] = 0
             self._read(agent, handle, targets, slot, request)
-            if int(agent.flags[slot]) != handle.tag:
+            if int(agent.flags_np[slot]) != handle.tag:
                 self.context.check_owner(request)  # raises ObjectFreedError / OwnerDiedError
                 raise TransportError(f"nixl: object {request.object_id.hex()} was freed by its owner")
         finally:
@@ -427,9 +429,9 @@ class NixlTransport(Transport):
         groups: dict[tuple[bool, bool], tuple[list, list]] = {(False, False): ([], [])}
         for t, row in targets:
             vram = t.device.type == "cuda"
-            local, remote = groups.setdefault((vram, bool(row["vram"])), ([], []))
-            local.append((t.data_ptr(), int(row["len"]), (t.device.index or 0) if vram else 0))
-            remote.append((int(row["addr"]), int(row["len"]), int(row["dev"])))
+            local, remote = groups.setdefault((vram, bool(row[3])), ([], []))
+            local.append((t.data_ptr(), row[1], (t.device.index or 0) if vram else 0))
+            remote.append(row[:3])
         local, remote = groups[(False, False)]
         local.append((agent.flags.data_ptr() + 8 * slot, 8, 0))
         remote.append((handle.flag_addr, 8, 0))

@@ -110,3 +110,13 @@ def put_value(value: Any) -> tw.Ref:
     ref = tw.put(value)
     _kept.setdefault("refs", []).append(ref)
     return ref
+
+
+def broadcast_and_transports(name: str, rank: int, descriptions: list, src: int) -> tuple[str, list[str]]:
+    """One tensorwire-backend broadcast (tests/collectives/standalone.py); the digest and the
+    transports of this process's fetches during it."""
+    from tests.collectives.standalone import broadcast
+
+    before = len(tw.stats()["recent"])
+    got = broadcast(name, rank, descriptions, "cpu", src)
+    return got, [r.transport for r in tw.stats()["recent"][before:]]

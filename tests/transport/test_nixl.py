@@ -209,3 +209,19 @@ def test_weight_sync_to_a_receiver_on_another_node_over_nixl():
     assert sent["failed"] == {} and sent["sent_nbytes"] == plan.nbytes
     assert received["digest"] == sent["digest"] and received["in_place"] and received["version"] == 1
     assert received["transports"] == {"nixl": buckets}, received["transports"]
+
+
+def test_tensorwire_collective_backend_reads_over_nixl_across_nodes():
+    base = {"TENSORWIRE_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+    workers = [Worker(env={**base, "TENSORWIRE_NODE_ID": f"bc-node-{i}"}) for i in range(2)]
+    try:
+        descriptions = [w.call("tests.collectives.standalone:describe") for w in workers]
+        for rank, worker in enumerate(workers):
+            worker.send(f"{T}:broadcast_and_transports", "nixl-bc", rank, descriptions, 0)
+        (sent, _), (got, used) = [w.result(timeout_s=120) for w in workers]
+        expected = workers[0].call("tests.collectives.standalone:expected_broadcast", 0)
+    finally:
+        for w in workers:
+            w.close()
+    assert sent == got == expected
+    assert used and set(used) == {"nixl"}, used
