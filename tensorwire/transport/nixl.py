@@ -64,6 +64,7 @@ _POLL_S = (0.2, 2.0)  # seconds between liveness checks of the owner: its pid, a
 
 def nixl_api() -> Any:
     """NIXL's Python API module (``nixl._api``, else ``nixl_cu12._api``, else ``nixl_cu13._api``)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # else NIXL prints INFO lines to stdout
     for name in _MODULES:
         try:
             return importlib.import_module(name)
