@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import hardware
 
-BASE_USABLE = {"local", "inline", "shm", "host", "gloo", "ucx"}  # ucxx is in the test extra
+BASE_USABLE = {"local", "inline", "shm", "host", "gloo", "ucx", "nixl"}  # ucxx and nixl-cu12 are in the test extra
 
 
 def _gpu_usable() -> set[str]:
