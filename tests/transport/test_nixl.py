@@ -225,3 +225,20 @@ def test_tensorwire_collective_backend_reads_over_nixl_across_nodes():
             w.close()
     assert sent == got == expected
     assert used and set(used) == {"nixl"}, used
+
+
+@pytest.mark.parametrize("other_node", [False, True], ids=["same-node", "other-node"])
+def test_processes_that_used_nixl_exit_by_themselves_promptly(other_node):
+    producer = Worker(env=NODE_A if other_node else {})
+    consumer = Worker(env=NODE_B if other_node else {})
+    try:
+        ref = producer.call(f"{T}:put_kept", "exit", MIB, 8)
+        expected = producer.call(f"{T}:kept_digest", "exit")
+        assert consumer.call("tests.helpers.tasks:get_transport", ref, transport="nixl") == (expected, "nixl")
+        del ref
+        for name, worker in (("consumer", consumer), ("producer", producer)):
+            _, code = worker.exit(20.0)
+            assert code == 0, f"the {name} did not exit by itself within 20 s (NIXL agent threads?)"
+    finally:
+        producer.close()
+        consumer.close()
