@@ -20,13 +20,12 @@ handle names an unseen registration id; register the destinations (same cache: `
 buffers once); post one READ of the tensors plus the slot; poll to DONE; check the tag. No
 control call. Waits are bounded by the deadline, the owner's liveness checked every 0.2 s (a
 status call every 2 s across machines); a failed or late transfer's handle is released (NIXL
-cancels it) and both agents stay usable. Known limits: a ``free()`` racing a READ in flight
-may deliver what the memory held then; an address re-registered relies on NIXL replacing the
-remote descriptor (fine with UCX tcp/cma, unverified with RDMA keys).
+cancels it) and both agents stay usable. Known limits: docs/architecture.md, "nixl details".
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import itertools
@@ -123,18 +122,19 @@ class _Agent:
         self.flags = torch.zeros(_SLOTS, dtype=torch.int64)  # consumer: where tags are read into
         self.table_reg, self.flags_reg = self.acquire([self.table, self.flags])
         self.table_np, self.flags_np = self.table.numpy(), self.flags.numpy()  # cheaper to index
-        self.free_table = list(range(_SLOTS))
-        self.free_flags = list(range(_SLOTS))
+        self.free_table, self.free_flags = list(range(_SLOTS)), list(range(_SLOTS))
 
     # ------------------------------------------------------------------ registrations
 
     def acquire(self, tensors: Sequence[Any]) -> list[_Reg]:
-        """The registrations covering ``tensors`` (made where missing), each used once more."""
+        """The registrations covering ``tensors``, each used once more; the missing ones are
+        registered in one call per memory kind (about 20x cheaper per region than one each)."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
         with self.lock:
             self._sweep()
-            found: dict[tuple, _Reg] = {}
+            found: dict[tuple, _Reg | None] = {}
+            missing: dict[tuple, Any] = {}
             for tensor in tensors:
                 key = _region(tensor)
                 if key in found:
@@ -143,19 +143,28 @@ class _Agent:
                 if reg is not None and reg.weak.expired() and reg.users == 0:
                     self._drop(reg)
                     reg = None
+                found[key] = reg
                 if reg is None:
-                    rows = [(key[0], key[1], key[3], "")]
-                    descs = self.nixl.register_memory(rows, "VRAM" if key[2] else "DRAM")
-                    reg = _Reg(next(self.ids), key, StorageWeakRef(tensor.untyped_storage()), descs)
-                    self.regs[key] = reg
-                    self.stats["registered"] += 1
+                    missing[key] = tensor
                 else:
                     self.stats["hits"] += 1
                     self.regs.move_to_end(key)
+            for vram in (False, True):
+                keys = [k for k in missing if k[2] is vram]
+                if not keys:
+                    continue
+                mem = "VRAM" if vram else "DRAM"
+                self.nixl.register_memory([(k[0], k[1], k[3], "") for k in keys], mem)
+                for key in keys:  # one descriptor list per region, to deregister it alone
+                    descs = self.nixl.get_reg_descs([(key[0], key[1], key[3], "")], mem)
+                    weak = StorageWeakRef(missing[key].untyped_storage())
+                    found[key] = self.regs[key] = _Reg(next(self.ids), key, weak, descs)
+                    self.stats["registered"] += 1
+            regs = [r for r in found.values() if r is not None]
+            for reg in regs:
                 reg.users += 1
-                found[key] = reg
             self._trim()
-            return list(found.values())
+            return regs
 
     def unuse(self, regs: Sequence[_Reg]) -> None:
         with self.lock:
@@ -224,10 +233,8 @@ class _Agent:
     def forget_remote(self, name: str) -> None:
         with self.lock:
             if self.remote.pop(name, None) is not None:
-                try:
+                with contextlib.suppress(Exception):  # the peer is gone either way
                     self.nixl.remove_remote_agent(name)
-                except Exception as e:  # noqa: BLE001 - the peer is gone either way
-                    logger.debug("nixl: removing agent %s: %s", name, e)
 
     def take(self, free: list[int]) -> int | None:
         with self.lock:
@@ -240,10 +247,7 @@ _names: dict[int, str] = {}
 
 
 def _agent_name() -> str:
-    pid = os.getpid()
-    if pid not in _names:
-        _names[pid] = f"tw-{socket.gethostname()}-{pid}-{secrets.token_hex(4)}"
-    return _names[pid]
+    return _names.setdefault(os.getpid(), f"tw-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def _agent() -> _Agent:
@@ -260,8 +264,7 @@ def _agent() -> _Agent:
 
 def stats() -> dict[str, int]:
     """This process's registration cache and metadata counters (empty before first use)."""
-    agent = _process.get(os.getpid())
-    if agent is None:
+    if (agent := _process.get(os.getpid())) is None:
         return {}
     with agent.lock:
         return {**agent.stats, "cached": len(agent.regs), "remote_agents": len(agent.remote),
