@@ -372,7 +372,8 @@ class NixlTransport(Transport):
         except Exception as e:
             agent.free_table.append(slot)
             raise TransportError(f"nixl: registering {obj.nbytes} bytes failed: {e}") from e
-        obj.wait_ready()
+        for _device, event in obj.ready:  # READs come from another process with no stream order: wait here
+            event.synchronize()
         tag = secrets.randbits(63) | 1
         agent.table_np[slot] = tag
         obj.transport_state[self.name] = (regs, slot)
