@@ -101,7 +101,9 @@ class _Agent:
 
         api = nixl_api()
         wanted = backends()
-        self.nixl = api.nixl_agent(name, api.nixl_agent_config(backends=wanted))
+        sync = getattr(api, "nixl_thread_sync_t", None)  # tensorwire fetches and exports from several threads
+        config = api.nixl_agent_config(backends=wanted, **({"sync_mode": sync.NIXL_THREAD_SYNC_RW} if sync else {}))
+        self.nixl = api.nixl_agent(name, config)
         if not self.nixl.backends:
             raise TransportUnavailableError(
                 f"nixl: none of the backends {wanted} ({BACKENDS_ENV}) could be created; "
@@ -399,9 +401,7 @@ class NixlTransport(Transport):
 
     def fetch(self, request: FetchRequest, dst: Sequence[Any]) -> None:
         """Consumer: one READ of every tensor and the liveness slot, polled to completion."""
-        if request.handle is None:
-            raise TransportUnavailableError("nixl: the reference carries no nixl handle")
-        handle = _Handle.decode(request.handle)
+        handle = _Handle.decode(request.handle or b"")  # none: "malformed handle"
         expected = self._peers.get(request.owner.agent_id)
         if expected is not None and expected != handle.name:
             raise TransportError(f"nixl: handle names agent {handle.name}, the owner published {expected}")

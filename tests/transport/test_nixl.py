@@ -242,3 +242,10 @@ def test_processes_that_used_nixl_exit_by_themselves_promptly(other_node):
     finally:
         producer.close()
         consumer.close()
+
+
+def test_concurrent_fetches_from_several_threads(pair):
+    producer, consumer = pair
+    refs = [producer.call(f"{T}:put_kept", f"c{i}", MIB + i, 100 + i) for i in range(8)]
+    expected = [producer.call(f"{T}:kept_digest", f"c{i}") for i in range(8)]
+    assert consumer.call("tests.helpers.tasks:get_concurrently", refs, "nixl", timeout_s=120) == expected
