@@ -145,10 +145,14 @@ def _post_and_wait(handle: Any, timeout_s: float) -> None:
     agent = _state["agent"]
     state = agent.transfer(handle)
     deadline = time.monotonic() + timeout_s
+    spins = 0
     while state == "PROC":
         if time.monotonic() > deadline:
             raise TimeoutError(f"bare NIXL READ still in progress after {timeout_s} s")
         state = agent.check_xfer_state(handle)
+        spins += 1
+        if spins > 200:  # let the other process's progress thread run (2 cores): as tensorwire's poll does
+            time.sleep(0)
     if state != "DONE":
         raise RuntimeError(f"bare NIXL READ ended in state {state}")
 

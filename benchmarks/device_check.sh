@@ -32,6 +32,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     echo "- GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
     echo "- $("$py" -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda, "| GPUs", torch.cuda.device_count())' 2>&1 | tail -1)"
     echo "- ucxx: $("$py" -c 'import ucxx; print(ucxx.__version__)' 2>&1 | tail -1)"
+    echo "- nixl: $("$py" -c 'import importlib.metadata as m; print(next((d + " " + m.version(d) for d in ("nixl", "nixl-cu12", "nixl-cu13") if list(m.distributions(name=d))), "not installed"))' 2>&1 | tail -1) (tests/gpu/test_nixl_gpu.py needs it)"
     echo
     echo "## Tests: tests/gpu (all marked gpu / multi_gpu), tests/collectives/test_standalone.py, tests/transport/test_gpu_logic.py"
     echo

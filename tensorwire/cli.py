@@ -112,6 +112,12 @@ def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
         results.append(("UCX", "warn", str(libraries.get("ucxx"))))
     if not node["rdma_nics"]:
         results.append(("RDMA", "warn", "no InfiniBand/RoCE NIC: cross-node traffic uses TCP"))
+    nixl = str(libraries.get("nixl", ""))
+    if not nixl.startswith("not installed"):
+        rdma = bool(node["rdma_nics"]) and "ib_" in nixl
+        backends = os.environ.get("TENSORWIRE_NIXL_BACKENDS", "UCX")
+        seen = "its UCX has verbs modules and sees RDMA NICs" if rdma else "no RDMA NIC: its UCX uses TCP across nodes"
+        results.append(("NIXL", "ok" if rdma else "warn", f"{nixl}; backends {backends}; {seen}"))
 
     agent = runtime_agent()
     large = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import hardware
 
-BASE_USABLE = {"local", "inline", "shm", "host", "gloo", "ucx"}  # ucxx is in the test extra
+BASE_USABLE = {"local", "inline", "shm", "host", "gloo", "ucx", "nixl"}  # ucxx and nixl-cu12 are in the test extra
 
 
 def _gpu_usable() -> set[str]:
@@ -51,6 +51,8 @@ def test_topo_json_describes_this_node():
         assert nvidia["reason"]  # no GPU here: the reason is recorded, nothing raised
     assert bool(report["rdma_nics"]) == hardware()["rdma"]
     assert report["transport_libraries"]["gloo"] == "available"
+    nixl = report["transport_libraries"]["nixl"]  # the wheel and what it bundles, or how to install it
+    assert nixl.startswith("not installed (pip install") or ("plugins" in nixl and "UCX modules" in nixl), nixl
 
 
 def test_topo_text_names_vendors_and_visibility():
@@ -147,6 +149,12 @@ def test_doctor_checks_every_transport_with_a_real_transfer():
         assert ucx["status"] == "warn" and "tcp" in ucx["detail"] and "no InfiniBand" in ucx["detail"]
     nvml = next(r for r in results if r["check"] == "NVML")
     assert nvml["status"] in ("ok", "warn") and nvml["detail"]
+    if "nixl" in registry.registered_transports():  # installed (the test extra has nixl-cu12)
+        assert "transport nixl" in ok and ("transport nixl", "other node, 1024 KiB") in details
+        nixl = next(r for r in results if r["check"] == "NIXL")  # its wheel, plug-ins, UCX modules, RDMA
+        assert "plugins" in nixl["detail"] and "UCX" in nixl["detail"] and "backends UCX" in nixl["detail"]
+        if not hardware()["rdma"]:
+            assert nixl["status"] == "warn" and "no RDMA NIC" in nixl["detail"]
 
 
 def test_doctor_reports_a_broken_transport_and_fails():

@@ -16,6 +16,7 @@ that delivers nothing, or delivers an earlier round's data, counts as wrong.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import time
 from typing import Any
 
@@ -201,6 +202,9 @@ def _p2p(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     except Exception as e:  # noqa: BLE001 - reported, the rest still runs
         rdt = False
         notes.append(f"Ray direct transport: could not make its gloo group ({e})")
+    nixl_rdt = importlib.util.find_spec("nixl") is not None
+    if not nixl_rdt:
+        notes.append("Ray RDT over nixl (CPU tensors): the nixl package is not installed (pip install nixl)")
     rows = []
     for nbytes in options.sizes:
         nodes = [tw_src, tw_dst, ray_src, ray_dst, zc_src, zc_dst]
@@ -216,6 +220,9 @@ def _p2p(options: Any, progress: Any, notes: list[str]) -> list[Any]:
         if rdt:
             plans["Ray RDT (gloo)"] = _Plan(functools.partial(_hand_over, ray_src, ray_dst, "value_rdt"), ray_src,
                                             [ray_dst], True)  # fmt: skip
+        if nixl_rdt:  # Ray's NIXL transport reads CPU tensors too (it imports nixl._api)
+            plans["Ray RDT (nixl)"] = _Plan(functools.partial(_hand_over, ray_src, ray_dst, "value_rdt_nixl"),
+                                            ray_src, [ray_dst], True)  # fmt: skip
         rows += _measure("p2p-actors", plans, nbytes, options, reason="actor -> actor, the consumer copies it in",
                          progress=progress)  # fmt: skip
     return rows

@@ -133,6 +133,14 @@ class Channel:
         copied = desc.packed_nbytes if "shm" in handles else 0
         return desc, encode_announcement(desc, handles), copied
 
+    def exports_across_nodes(self) -> bool:
+        """Whether a one-sided transport usable here exports handles that readers on other
+        nodes can use (e.g. nixl): then publishing for such readers should export."""
+        return any(
+            c.cross_node and c.needs_export and not c.export_per_consumer
+            for c in (t.capabilities for t in self._agent.transports().values())
+        )
+
     def unpublish(self, desc: ObjectDescriptor) -> None:
         self._agent.free(desc)
 

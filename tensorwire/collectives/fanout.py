@@ -4,7 +4,8 @@ A *stream* is what one server (a trainer, or a receiver relaying to its node) se
 way to one or more readers. For bucket k the server packs the bucket's pieces into slot
 k % 2 of its :class:`~.staging.StagingRing` for the readers on its node (one copy, with the
 dtype conversion on the way), or publishes them as an announced object of its agent for the
-others (ucx/gloo read the tensors, cuda_ipc maps them); it packs bucket k+1 while they copy
+others (ucx/gloo read the tensors, cuda_ipc maps them; it exports for readers on other
+nodes too when a one-sided transport such as nixl serves them there); it packs bucket k+1 while they copy
 bucket k and reuses a slot only after every reader acknowledged it.
 
 Messages (``<stream prefix>b<k>``): a kind byte (:class:`BucketKind`), a checksum, a payload.
@@ -169,6 +170,7 @@ class Fanout:
         on_done: Callable[[int], None] = lambda _k: None,
     ) -> None:
         self.channel = channel
+        self._exports_across_nodes = channel.exports_across_nodes()
         self.live = list(children)
         self.failed: dict[int, str] = {}
         self.peak_nbytes = 0
@@ -216,7 +218,9 @@ class Fanout:
         if object_readers:
             me = self.channel.members[self.channel.rank].node_id
             same_node = any(self.channel.members[c].node_id == me for c in object_readers)
-            desc, announcement, exported = self.channel.publish([as_wire(p) for p in pieces], export=same_node)
+            other_node = any(self.channel.members[c].node_id != me for c in object_readers)
+            export = same_node or (other_node and self._exports_across_nodes)  # one-sided handles (nixl)
+            desc, announcement, exported = self.channel.publish([as_wire(p) for p in pieces], export=export)
             messages_to.update(dict.fromkeys(object_readers, message(BucketKind.OBJECT, check, announcement)))
         self.pack_s += time.perf_counter() - start
         nbytes = sum(v.numel() * d.itemsize for v, d in pieces)

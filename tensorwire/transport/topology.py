@@ -352,6 +352,7 @@ def _transport_libraries() -> dict[str, str]:
     found["ucxx"] = (
         "importable" if importlib.util.find_spec("ucxx") else "not installed (pip install 'tensorwire[ucx]')"
     )
+    found["nixl"] = _nixl_library()
     try:
         import torch
         import torch.distributed as dist
@@ -365,6 +366,25 @@ def _transport_libraries() -> dict[str, str]:
     except Exception as e:  # noqa: BLE001 - discovery never fails the caller
         found["torch"] = f"unavailable: {e}"
     return found
+
+
+def _nixl_library() -> str:
+    """The installed NIXL wheel, its backend plug-ins and its bundled UCX's modules (files only:
+    nothing is imported, no agent made)."""
+    from importlib import metadata, util
+
+    for dist in ("nixl-cu12", "nixl-cu13"):
+        spec = util.find_spec(dist.replace("-", "_"))
+        if spec is None or not spec.origin:
+            continue
+        libs = os.path.join(os.path.dirname(os.path.dirname(spec.origin)), dist.replace("-", "_") + ".libs")
+        names = os.listdir(libs + "/nixl") if os.path.isdir(libs + "/nixl") else []
+        plugins = sorted(n[len("libplugin_") : -3] for n in names if n.startswith("libplugin_") and n.endswith(".so"))
+        ucx = os.listdir(libs + "/ucx") if os.path.isdir(libs + "/ucx") else []
+        modules = sorted({n[len("libuct_") :].split(".")[0] for n in ucx if n.startswith("libuct_")})
+        version = metadata.version(dist)
+        return f"{dist} {version}; plugins {', '.join(plugins) or '?'}; UCX modules {', '.join(modules) or '?'}"
+    return "not installed (pip install 'tensorwire[nixl]' or nixl-cu12)"
 
 
 def describe_node() -> dict[str, object]:

@@ -69,9 +69,10 @@ def test_actors_on_two_nodes_use_a_cross_node_transport(cluster):
     ref = producer.make.remote(64, 16 << 20, seed=5)
     got, transport = ray.get(consumer.digest_and_transport.remote(ref))
     assert got == digest(make_state(64, 16 << 20, seed=5))
-    assert transport == "ucx"  # the cheapest cross-node estimate (ucxx is in the test extra)
+    assert transport == "nixl"  # the cheapest cross-node estimate (nixl-cu12 is in the test extra)
     assert digest(tw.get(ref)) == got  # driver on the head node
-    assert tw.stats()["recent"][-1].transport == "ucx"
+    assert tw.stats()["recent"][-1].transport == "nixl"
+    assert digest(tw.get(ref, transport="ucx")) == got
     assert digest(tw.get(ref, transport="gloo")) == got
     assert digest(tw.get(ref, transport="host")) == got
 
@@ -88,7 +89,7 @@ def test_driver_put_fetched_on_the_other_node(cluster):
     consumer = Consumer.options(**on("node_b")).remote()
     value = {"w": torch.randn(300_000), "step": 7}
     got, transport = ray.get(consumer.digest_and_transport.remote(tw.put(value)))
-    assert (got, transport) == (digest(value), "ucx")
+    assert (got, transport) == (digest(value), "nixl")
 
 
 def test_node_removed_turns_into_owner_died(cluster):
@@ -97,7 +98,7 @@ def test_node_removed_turns_into_owner_died(cluster):
     c.wait_for_nodes()
     producer = Producer.options(**on("node_c")).remote()
     ref = producer.tensor.remote(1 << 20)
-    transports = ("host", "ucx", "gloo")
+    transports = ("host", "ucx", "gloo", "nixl")
     for transport in transports:  # connections made on every cross-node transport
         assert tw.get(ref, transport=transport).numel() == 1 << 20
     c.remove_node(doomed)
@@ -123,7 +124,7 @@ def test_weight_sync_relays_through_one_leader_per_node(cluster):
     assert ray.get([r.digest.remote() for r in receivers]) == [expected] * 3
     assert ray.get([r.data_ptrs.remote() for r in receivers]) == pointers
     used = [set(report.receivers[i].transports) for i in range(3)]
-    assert used == [{"ucx"}, {"shm"}, {"shm"}]
+    assert used == [{"nixl"}, {"shm"}, {"shm"}]  # nixl: the trainer exports for the other node
     assert report.receivers[0].peak_nbytes > 0  # the leader served its node-mate
     sync.close()
 

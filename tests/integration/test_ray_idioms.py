@@ -153,8 +153,8 @@ def test_per_call_by_reference_and_transport_names(echo, other):
     assert ray.get(other.double.remote(ref)).sum().item() == 2 * value.sum().item()
     plain = echo.plain_echo.options(tensor_transport="object_store").remote(value)
     assert not isinstance(plain, tw.Ref) and torch.equal(ray.get(plain), value)
-    with pytest.raises(ValueError, match=r"nixl.*not a tensorwire transport"):
-        echo.plain_echo.options(tensor_transport="nixl")
+    with pytest.raises(ValueError, match=r"mooncake.*not a tensorwire transport"):
+        echo.plain_echo.options(tensor_transport="mooncake")
     with pytest.raises(ValueError, match="not a tensorwire transport"):
         echo.double.options(transport="carrier-pigeon")
     with pytest.raises(ValueError, match="not a tensorwire transport"):

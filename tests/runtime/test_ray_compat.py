@@ -67,8 +67,8 @@ def test_published_state_outside_ray_get_and_in_raw_mode():
 def test_transport_names_are_checked_when_given():
     assert check_transport("SHM", "x") == "shm" and check_transport("auto", "x") == ""
     assert check_transport("OBJECT_STORE", "x") is None
-    with pytest.raises(ValueError, match=r"'nixl' is not a tensorwire transport; available: .*shm"):
-        check_transport("nixl", "x")
+    with pytest.raises(ValueError, match=r"'mooncake' is not a tensorwire transport; available: .*shm"):
+        check_transport("mooncake", "x")
     with pytest.raises(TypeError):
         check_transport(3, "x")
     with pytest.raises(ValueError, match="not a tensorwire transport"):

@@ -1,0 +1,500 @@
+"""``nixl``: one-sided READ through NVIDIA's NIXL transfer engine (extra ``nixl``).
+
+Found through the ``tensorwire.transports`` entry point in tensorwire's ``pyproject.toml``; no
+other module names it. The wheel (``nixl``, ``nixl-cu12`` or ``nixl-cu13``) bundles a UCX with
+verbs, mlx5, EFA and CUDA modules; without RDMA UCX uses TCP, shared memory or cma. Backends:
+``TENSORWIRE_NIXL_BACKENDS`` (default ``UCX``; ``LIBFABRIC`` for EFA). Host memory is verified on
+the CPU build VM; CUDA memory (``VRAM``) is unverified (no GPU there). One NIXL agent per
+process, made on first use (about 0.5 s here); its name is the published connection info.
+
+**Producer.** ``export`` registers each tensor's whole storage once, cached per storage (address
+range + a weak reference), so later objects on the same memory (parameters, staging slots)
+reuse it; an entry is deregistered once its memory is freed or the cache
+(``TENSORWIRE_NIXL_CACHE``, default 512) evicts it unused. The handle carries the agent's name
+and connection metadata (331 B with UCX), the *partial* metadata of exactly the object's
+registrations (cached per set), their ids, a row per tensor and a *liveness slot*: a registered
+word that holds a random tag while the object lives and is cleared when it is freed.
+
+**Consumer.** Load the owner's connection metadata if new and its partial metadata only if the
+handle names an unseen registration id; register the destinations (same cache: ``out=``
+buffers once); post one READ of the tensors plus the slot; poll to DONE; check the tag. No
+control call. Waits are bounded by the deadline, the owner's liveness checked every 0.2 s (a
+status call every 2 s across machines); a failed or late transfer's handle is released (NIXL
+cancels it) and both agents stay usable. Known limits: docs/architecture.md, "nixl details".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import itertools
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tensorwire.errors import TransferTimeoutError, TransportError, TransportUnavailableError
+from tensorwire.transport.base import Capabilities, FetchRequest, PeerInfo, StoredObject, Transport
+from tensorwire.transport.costs import CostEstimate, CostModel, MemoryKind, Placement
+
+__all__ = ["BACKENDS_ENV", "CACHE_ENV", "NixlTransport", "nixl_api", "stats"]
+
+logger = logging.getLogger(__name__)
+
+BACKENDS_ENV = "TENSORWIRE_NIXL_BACKENDS"
+CACHE_ENV = "TENSORWIRE_NIXL_CACHE"
+_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+_SLOTS = 4096  # liveness slots per process (objects exported and live at once)
+_VERSION = 1
+_HEADER = struct.Struct("!BHIIIIQQ")  # version, name, conn, partial count, regs, rows, flag address, tag
+_ROW = np.dtype([("addr", ">u8"), ("len", ">u8"), ("dev", ">u4"), ("vram", "u1")])
+_POLL_S = (0.2, 2.0)  # seconds between liveness checks of the owner: its pid, a status call
+
+
+def nixl_api() -> Any:
+    """NIXL's Python API module (``nixl._api``, else ``nixl_cu12._api``, else ``nixl_cu13._api``)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # else NIXL prints INFO lines to stdout
+    for name in _MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise TransportUnavailableError("nixl: NIXL is not installed: pip install 'tensorwire[nixl]' (or nixl-cu12)")
+
+
+def backends() -> list[str]:
+    """The NIXL backends to create (``TENSORWIRE_NIXL_BACKENDS``, default ``UCX``)."""
+    names = [b.strip() for b in os.environ.get(BACKENDS_ENV, "UCX").split(",") if b.strip()]
+    return names or ["UCX"]
+
+
+def _region(tensor: Any) -> tuple[int, int, bool, int]:
+    """(address, bytes, is VRAM, device) of the storage ``tensor`` lives in."""
+    storage, cuda = tensor.untyped_storage(), tensor.device.type == "cuda"
+    return storage.data_ptr(), storage.nbytes(), cuda, (tensor.device.index or 0) if cuda else 0
+
+
+@dataclass
+class _Reg:
+    rid: int
+    key: tuple[int, int, bool, int]
+    weak: Any  # torch StorageWeakRef: whether the registered memory still exists
+    descs: Any  # nixlRegDList
+    users: int = 0
+
+
+class _Agent:
+    """This process's one NIXL agent: registrations, liveness slots, loaded remote agents."""
+
+    def __init__(self, name: str) -> None:
+        import torch
+
+        api = nixl_api()
+        wanted = backends()
+        sync = getattr(api, "nixl_thread_sync_t", None)  # tensorwire fetches and exports from several threads
+        config = api.nixl_agent_config(backends=wanted, **({"sync_mode": sync.NIXL_THREAD_SYNC_RW} if sync else {}))
+        self.nixl = api.nixl_agent(name, config)
+        if not self.nixl.backends:
+            raise TransportUnavailableError(
+                f"nixl: none of the backends {wanted} ({BACKENDS_ENV}) could be created; "
+                f"plug-ins available: {self.nixl.get_plugin_list()}"
+            )
+        self.name = name
+        self.lock = threading.RLock()
+        self.capacity = max(16, int(os.environ.get(CACHE_ENV, "512")))
+        self.regs: OrderedDict[tuple[int, int, bool, int], _Reg] = OrderedDict()
+        self.idle: list[_Reg] = []  # users dropped to 0: checked for freed memory on the next use
+        self.ids = itertools.count(1)
+        self.partials: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
+        self.remote: dict[str, set[int]] = {}  # remote agent name -> registration ids loaded
+        counters = ("registered", "deregistered", "hits", "metadata_loads", "partial_loads", "leaked_handles")
+        self.stats = dict.fromkeys(counters, 0)
+        self.conn_md = self.nixl.get_agent_metadata()
+        self.table = torch.zeros(_SLOTS, dtype=torch.int64)  # producer: tags of live objects
+        self.flags = torch.zeros(_SLOTS, dtype=torch.int64)  # consumer: where tags are read into
+        self.table_reg, self.flags_reg = self.acquire([self.table, self.flags])
+        self.table_np, self.flags_np = self.table.numpy(), self.flags.numpy()  # cheaper to index
+        self.free_table, self.free_flags = list(range(_SLOTS)), list(range(_SLOTS))
+
+    # ------------------------------------------------------------------ registrations
+
+    def acquire(self, tensors: Sequence[Any]) -> list[_Reg]:
+        """The registrations covering ``tensors``, each used once more; the missing ones are
+        registered in one call per memory kind (about 20x cheaper per region than one each)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        with self.lock:
+            self._sweep()
+            found: dict[tuple, _Reg | None] = {}
+            missing: dict[tuple, Any] = {}
+            for tensor in tensors:
+                key = _region(tensor)
+                if key in found:
+                    continue
+                reg = self.regs.get(key)
+                if reg is not None and reg.weak.expired() and reg.users == 0:
+                    self._drop(reg)
+                    reg = None
+                found[key] = reg
+                if reg is None:
+                    missing[key] = tensor
+                else:
+                    self.stats["hits"] += 1
+                    self.regs.move_to_end(key)
+            for vram in (False, True):
+                keys = [k for k in missing if k[2] is vram]
+                if not keys:
+                    continue
+                mem = "VRAM" if vram else "DRAM"
+                self.nixl.register_memory([(k[0], k[1], k[3], "") for k in keys], mem)
+                for key in keys:  # one descriptor list per region, to deregister it alone
+                    descs = self.nixl.get_reg_descs([(key[0], key[1], key[3], "")], mem)
+                    weak = StorageWeakRef(missing[key].untyped_storage())
+                    found[key] = self.regs[key] = _Reg(next(self.ids), key, weak, descs)
+                    self.stats["registered"] += 1
+            regs = [r for r in found.values() if r is not None]
+            for reg in regs:
+                reg.users += 1
+            self._trim()
+            return regs
+
+    def unuse(self, regs: Sequence[_Reg]) -> None:
+        with self.lock:
+            for reg in regs:
+                reg.users -= 1
+                if reg.users == 0:
+                    self.idle.append(reg)
+
+    def _sweep(self) -> None:
+        idle, self.idle = self.idle, []
+        for reg in idle:
+            if reg.users == 0 and reg.weak.expired() and self.regs.get(reg.key) is reg:
+                self._drop(reg)
+
+    def _trim(self) -> None:
+        if len(self.regs) <= self.capacity:
+            return
+        for reg in [r for r in self.regs.values() if r.users == 0]:
+            if len(self.regs) <= self.capacity:
+                break
+            self._drop(reg)
+
+    def _drop(self, reg: _Reg) -> None:
+        self.regs.pop(reg.key, None)
+        try:
+            self.nixl.deregister_memory(reg.descs)
+            self.stats["deregistered"] += 1
+        except Exception as e:  # noqa: BLE001 - a failed deregistration leaks, never breaks a transfer
+            logger.warning("nixl: deregistering %d bytes at %#x failed: %s", reg.key[1], reg.key[0], e)
+
+    def partial_metadata(self, regs: Sequence[_Reg]) -> list[bytes]:
+        """NIXL's metadata of exactly ``regs`` (one blob per memory kind), cached."""
+        key = tuple(sorted(r.rid for r in regs))
+        with self.lock:
+            cached = self.partials.get(key)
+            if cached is not None:
+                self.partials.move_to_end(key)
+                return cached
+            blobs = []
+            for vram in (False, True):
+                rows = [(r.key[0], r.key[1], r.key[3], "") for r in regs if r.key[2] is vram]
+                if rows:
+                    descs = self.nixl.get_reg_descs(rows, "VRAM" if vram else "DRAM")
+                    blobs.append(self.nixl.get_partial_agent_metadata(descs, False))
+            self.partials[key] = blobs
+            while len(self.partials) > 64:
+                self.partials.popitem(last=False)
+            return blobs
+
+    def load_remote(self, handle: _Handle) -> None:
+        """Consumer: the owner's connection (once) and the registrations it names (when new)."""
+        with self.lock:
+            known = self.remote.get(handle.name)
+            if known is None:
+                loaded = self.nixl.add_remote_agent(handle.conn_md)
+                if (loaded.decode() if isinstance(loaded, bytes) else loaded) != handle.name:
+                    raise TransportError(f"nixl: metadata in a handle does not belong to agent {handle.name}")
+                known = self.remote[handle.name] = set()
+                self.stats["metadata_loads"] += 1
+            if not set(handle.rids) <= known:
+                for blob in handle.partials:
+                    self.nixl.add_remote_agent(blob)
+                known.update(handle.rids)
+                self.stats["partial_loads"] += 1
+
+    def forget_remote(self, name: str) -> None:
+        with self.lock:
+            if self.remote.pop(name, None) is not None:
+                with contextlib.suppress(Exception):  # the peer is gone either way
+                    self.nixl.remove_remote_agent(name)
+
+    def take(self, free: list[int]) -> int | None:
+        with self.lock:
+            return free.pop() if free else None
+
+
+_lock = threading.Lock()
+_process: dict[int, _Agent] = {}
+_names: dict[int, str] = {}
+
+
+def _agent_name() -> str:
+    return _names.setdefault(os.getpid(), f"tw-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _agent() -> _Agent:
+    """This process's NIXL agent, made on first use."""
+    pid = os.getpid()
+    with _lock:
+        if pid not in _process:
+            try:
+                _process[pid] = _Agent(_agent_name())
+            except Exception as e:
+                raise TransportUnavailableError(f"nixl: no NIXL agent: {type(e).__name__}: {e}") from e
+        return _process[pid]
+
+
+def stats() -> dict[str, int]:
+    """This process's registration cache and metadata counters (empty before first use)."""
+    if (agent := _process.get(os.getpid())) is None:
+        return {}
+    with agent.lock:
+        return {**agent.stats, "cached": len(agent.regs), "remote_agents": len(agent.remote),
+                "live_slots": _SLOTS - len(agent.free_table)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Handle:
+    name: str
+    conn_md: bytes
+    partials: tuple[bytes, ...]
+    rids: tuple[int, ...]
+    rows: Any  # producer: a _ROW array; decoded: (address, length, device, vram) tuples
+    flag_addr: int
+    tag: int
+
+    def encode(self) -> bytes:
+        head = _HEADER.pack(_VERSION, len(self.name), len(self.conn_md), len(self.partials), len(self.rids),
+                            len(self.rows), self.flag_addr, self.tag)  # fmt: skip
+        parts = [head, self.name.encode(), self.conn_md]
+        parts += [struct.pack("!I", len(b)) + b for b in self.partials]
+        parts += [np.asarray(self.rids, dtype=">u8").tobytes(), self.rows.astype(_ROW).tobytes()]
+        return b"".join(parts)
+
+    @classmethod
+    def decode(cls, data: bytes) -> _Handle:
+        try:
+            version, n_name, n_conn, n_partial, n_rids, n_rows, flag, tag = _HEADER.unpack_from(data, 0)
+            if version != _VERSION:
+                raise TransportError(f"nixl: handle version {version} (expected {_VERSION})")
+            pos = _HEADER.size
+            name = data[pos : pos + n_name].decode()
+            conn = bytes(data[pos + n_name : pos + n_name + n_conn])
+            pos += n_name + n_conn
+            partials = []
+            for _ in range(n_partial):
+                (n,) = struct.unpack_from("!I", data, pos)
+                partials.append(bytes(data[pos + 4 : pos + 4 + n]))
+                pos += 4 + n
+            rids = tuple(int(r) for r in np.frombuffer(data, ">u8", n_rids, pos))
+            pos += 8 * n_rids
+            array = np.frombuffer(data, _ROW, n_rows, pos)
+            if pos + array.nbytes != len(data):
+                raise TransportError("nixl: trailing bytes in handle")
+            rows = [tuple(int(x) for x in r) for r in array.tolist()]  # (address, length, device, vram)
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise TransportError(f"nixl: malformed handle ({e})") from None
+        return cls(name, conn, tuple(partials), rids, rows, flag, tag)
+
+
+class NixlTransport(Transport):
+    """One-sided READ of registered host or CUDA memory through one NIXL agent per process."""
+
+    name = "nixl"
+    capabilities = Capabilities(one_sided=True, same_process=False, same_node=True, cross_node=True, needs_export=True,
+                                peer_setup=True, memory=frozenset({MemoryKind.HOST, MemoryKind.CUDA}))  # fmt: skip
+    # Host: measured on the 2-core build VM (UCX over cma, tcp); CUDA: unverified guesses (no GPU).
+    cost_model = CostModel(CostEstimate(300, 4.0), (
+        (Placement.SAME_NODE, MemoryKind.HOST, CostEstimate(250, 4.0)),
+        (Placement.CROSS_NODE, MemoryKind.HOST, CostEstimate(300, 4.0)),
+        (Placement.SAME_NODE, MemoryKind.CUDA, CostEstimate(200, 100.0)),
+        (Placement.CROSS_NODE, MemoryKind.CUDA, CostEstimate(300, 20.0))))  # fmt: skip
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self._peers: dict[str, str] = {}  # tensorwire agent id -> its NIXL agent name
+
+    def unavailable_reason(self) -> str | None:
+        if not any(importlib.util.find_spec(m.split(".")[0]) for m in _MODULES):
+            return "NIXL is not installed: pip install 'tensorwire[nixl]' (or nixl-cu12)"
+        return None
+
+    def connection_info(self) -> str:
+        """Any process: the name its NIXL agent has (or will have, on first use)."""
+        return _agent_name()
+
+    def load_peer(self, peer: PeerInfo, info: str) -> None:
+        """Consumer, once per producer: remember its NIXL agent's name (its metadata travels
+        in the first handle, so nothing is loaded before a fetch needs it)."""
+        if not info.startswith("tw-"):
+            raise TransportUnavailableError(f"nixl: agent {peer.agent_id} published {info!r}, not a NIXL agent name")
+        self._peers[peer.agent_id] = info
+
+    def forget_peer(self, agent_id: str) -> None:
+        name = self._peers.pop(agent_id, None)
+        agent = _process.get(os.getpid())
+        if name and agent is not None:
+            agent.forget_remote(name)
+
+    # ------------------------------------------------------------------ producer
+
+    def export(self, obj: StoredObject) -> bytes | None:
+        """Producer: register the object's storages (cached) and take a liveness slot."""
+        tensors = obj.tensors
+        if not tensors or any(not t.is_contiguous() or t.device.type not in ("cpu", "cuda") for t in tensors):
+            return None
+        agent = _agent()
+        slot = agent.take(agent.free_table)
+        if slot is None:
+            logger.info("nixl: %d objects exported and live: this one goes through another transport", _SLOTS)
+            return None
+        try:
+            regs = agent.acquire(tensors)
+            partials = agent.partial_metadata([*regs, agent.table_reg])
+        except Exception as e:
+            agent.free_table.append(slot)
+            raise TransportError(f"nixl: registering {obj.nbytes} bytes failed: {e}") from e
+        for _device, event in obj.ready:  # READs come from another process with no stream order: wait here
+            event.synchronize()
+        tag = secrets.randbits(63) | 1
+        agent.table_np[slot] = tag
+        obj.transport_state[self.name] = (regs, slot)
+        rows = np.zeros(len(tensors), dtype=_ROW)
+        for i, t in enumerate(tensors):
+            cuda = t.device.type == "cuda"
+            rows[i] = (t.data_ptr(), t.numel() * t.element_size(), (t.device.index or 0) if cuda else 0, cuda)
+        rids = (*(r.rid for r in regs), agent.table_reg.rid)
+        flag_addr = agent.table.data_ptr() + 8 * slot
+        return _Handle(agent.name, agent.conn_md, tuple(partials), rids, rows, flag_addr, tag).encode()
+
+    def release(self, obj: StoredObject) -> None:
+        state = obj.transport_state.pop(self.name, None)
+        agent = _process.get(os.getpid())
+        if not isinstance(state, tuple) or agent is None:
+            return
+        regs, slot = state
+        agent.table_np[slot] = 0  # before the memory may go: a READ after this sees "freed"
+        agent.free_table.append(slot)
+        agent.unuse(regs)
+
+    # ------------------------------------------------------------------ consumer
+
+    def fetch(self, request: FetchRequest, dst: Sequence[Any]) -> None:
+        """Consumer: one READ of every tensor and the liveness slot, polled to completion."""
+        handle = _Handle.decode(request.handle or b"")  # none: "malformed handle"
+        expected = self._peers.get(request.owner.agent_id)
+        if expected is not None and expected != handle.name:
+            raise TransportError(f"nixl: handle names agent {handle.name}, the owner published {expected}")
+        if len(handle.rows) != len(dst):
+            raise TransportError(f"nixl: handle has {len(handle.rows)} tensors, the request {len(dst)}")
+        agent = _agent()
+        try:
+            agent.load_remote(handle)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own classes
+            self._failed(request, f"loading agent {handle.name}'s metadata ({e})")
+        targets = [(t, row) for t, row in zip(dst, handle.rows, strict=True) if row[1]]
+        for t, row in targets:
+            if t.numel() * t.element_size() != row[1] or not t.is_contiguous():
+                raise TransportError("nixl: a destination buffer does not match the handle")
+        slot = agent.take(agent.free_flags)
+        if slot is None:
+            raise TransportUnavailableError(f"nixl: {_SLOTS} fetches in flight in this process")
+        regs = agent.acquire([t for t, _ in targets])
+        try:
+            agent.flags_np[slot] = 0
+            self._read(agent, handle, targets, slot, request)
+            if int(agent.flags_np[slot]) != handle.tag:
+                self.context.check_owner(request)  # raises ObjectFreedError / OwnerDiedError
+                raise TransportError(f"nixl: object {request.object_id.hex()} was freed by its owner")
+        finally:
+            agent.unuse(regs)
+            agent.free_flags.append(slot)
+
+    def _read(self, agent: _Agent, handle: _Handle, targets: list, slot: int, request: FetchRequest) -> None:
+        groups: dict[tuple[bool, bool], tuple[list, list]] = {(False, False): ([], [])}
+        for t, row in targets:
+            vram = t.device.type == "cuda"
+            local, remote = groups.setdefault((vram, bool(row[3])), ([], []))
+            local.append((t.data_ptr(), row[1], (t.device.index or 0) if vram else 0))
+            remote.append(row[:3])
+        local, remote = groups[(False, False)]
+        local.append((agent.flags.data_ptr() + 8 * slot, 8, 0))
+        remote.append((handle.flag_addr, 8, 0))
+        xfers = []
+        try:
+            for (lv, rv), (local, remote) in groups.items():
+                ldescs = agent.nixl.get_xfer_descs(local, "VRAM" if lv else "DRAM")
+                rdescs = agent.nixl.get_xfer_descs(remote, "VRAM" if rv else "DRAM")
+                xfer = agent.nixl.initialize_xfer("READ", ldescs, rdescs, handle.name)
+                xfers.append(xfer)
+                if agent.nixl.transfer(xfer) == "ERR":
+                    self._failed(request, "posting the READ")
+            self._wait(agent, xfers, request)
+        except Exception as e:
+            if type(e).__name__.startswith("nixl"):  # NIXL's own errors: the owner's fate, else failed
+                self._failed(request, f"the READ ({type(e).__name__}: {e})")
+            raise
+        finally:
+            for xfer in xfers:
+                try:
+                    agent.nixl.release_xfer_handle(xfer)
+                except Exception as e:  # noqa: BLE001 - NIXL could not cancel it: keep going
+                    agent.stats["leaked_handles"] += 1
+                    logger.warning("nixl: a transfer handle could not be released (%s)", e)
+
+    def _wait(self, agent: _Agent, xfers: list, request: FetchRequest) -> None:
+        """Poll every transfer to DONE; bounded by the deadline, the owner checked meanwhile."""
+        owner = request.owner
+        remote_machine = not self.context.peer.same_machine(owner)
+        start = time.monotonic()
+        next_alive, next_status = start + _POLL_S[0], start + _POLL_S[1]
+        pending = list(xfers)
+        spins = 0
+        while True:
+            states = [agent.nixl.check_xfer_state(x) for x in pending]
+            if "ERR" in states:
+                self._failed(request, "the READ")
+            pending = [x for x, s in zip(pending, states, strict=True) if s != "DONE"]
+            if not pending:
+                return
+            now = time.monotonic()
+            if now >= request.deadline:
+                what = f"object {request.object_id.hex()} from {owner.agent_id}"
+                raise TransferTimeoutError(
+                    f"nixl: READ of {what} still in progress at its deadline ({now - start:.3g} s)"
+                )
+            if now >= next_alive:
+                next_alive = now + _POLL_S[0]
+                if not self.context.peer_may_be_alive(owner):
+                    self.context.check_owner(request)  # raises OwnerDiedError
+            if remote_machine and now >= next_status:
+                next_status = now + _POLL_S[1]
+                self.context.check_owner(request)
+            spins += 1
+            if spins > 200:
+                time.sleep(0 if now - start < 0.002 else 0.0001)
+
+    def _failed(self, request: FetchRequest, what: str) -> None:
+        """A transfer ended in error: the owner's death or free if that is why, else TransportError."""
+        self.context.check_owner(request)
+        raise TransportError(f"nixl: {what} of object {request.object_id.hex()} from {request.owner.agent_id} failed")

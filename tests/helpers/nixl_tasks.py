@@ -1,0 +1,122 @@
+"""Functions that nixl tests run inside spawned workers (``tests.helpers.procs.Worker``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+import tensorwire as tw
+from tensorwire.transport import nixl
+from tests.helpers.tasks import digest
+
+_kept: dict[str, Any] = {}
+
+
+def stats() -> dict[str, int]:
+    return nixl.stats()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def put_kept(name: str, nbytes: int, seed: int = 0) -> tw.Ref:
+    """Put a random ``nbytes`` tensor, kept here under ``name``; returns its reference."""
+    value = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    _kept[name] = value
+    ref = tw.put(value)
+    _kept.setdefault("refs", []).append(ref)  # an inline value is tracked only while a reference lives here
+    return ref
+
+
+def put_again(name: str) -> tw.Ref:
+    """A new object on the same memory as the kept tensor ``name`` (a parameter returned again)."""
+    ref = tw.put(_kept[name])
+    _kept.setdefault("refs", []).append(ref)
+    return ref
+
+
+def kept_digest(name: str) -> str:
+    return digest(_kept[name])
+
+
+def read_into_out(refs: list[tw.Ref]) -> list[str]:
+    """Fetch each reference over nixl into one reused ``out=`` buffer; digests."""
+    out = torch.empty(refs[0].nbytes, dtype=torch.uint8)
+    result = []
+    for ref in refs:
+        got = tw.get(ref, out=out, transport="nixl")
+        assert got is out
+        result.append(digest(out))
+    return result
+
+
+def read_loop(ref: tw.Ref, progress: str, max_s: float, timeout_s: float) -> dict:
+    """Fetch ``ref`` over nixl again and again (writing the count of completed reads to the
+    file ``progress``) until a fetch fails or ``max_s`` passed; the error class, reads done."""
+    out = torch.empty(ref.nbytes, dtype=torch.uint8)
+    reads, end = 0, time.monotonic() + max_s
+    while time.monotonic() < end:
+        try:
+            tw.get(ref, out=out, transport="nixl", timeout_s=timeout_s)
+        except tw.TensorwireError as e:
+            return {"error": type(e).__name__, "message": str(e), "reads": reads}
+        reads += 1
+        with open(progress + ".tmp", "w") as f:
+            f.write(str(reads))
+        os.replace(progress + ".tmp", progress)
+    return {"error": "", "message": "", "reads": reads}
+
+
+def timed_outcome(ref: tw.Ref, timeout_s: float) -> dict:
+    """One nixl fetch: the error class (or "ok"), its message, the seconds it took."""
+    start = time.monotonic()
+    try:
+        value = tw.get(ref, transport="nixl", timeout_s=timeout_s)
+    except tw.TensorwireError as e:
+        return {"outcome": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    return {"outcome": digest(value), "message": "", "seconds": time.monotonic() - start}
+
+
+def new_object(round_: int, nbytes: int) -> tw.Ref:
+    """Producer: a new object of ``nbytes`` (fill = round % 251); the previous one freed."""
+    previous = _kept.pop("round", None)
+    if previous is not None:
+        tw.free(previous)
+    ref = tw.put(torch.full((nbytes,), round_ % 251, dtype=torch.uint8))
+    _kept["round"] = ref
+    return ref
+
+
+def check_round(ref: tw.Ref, round_: int) -> bool:
+    """Consumer: fetch over nixl into a new buffer; whether every byte is the round's fill."""
+    got = tw.get(ref, transport="nixl")
+    return bool((got == round_ % 251).all())
+
+
+def free_kept() -> None:
+    previous = _kept.pop("round", None)
+    if previous is not None:
+        tw.free(previous)
+    _kept.clear()
+
+
+def put_value(value: Any) -> tw.Ref:
+    """Put ``value``; its reference stays here until :func:`free_kept` (small values go inline)."""
+    ref = tw.put(value)
+    _kept.setdefault("refs", []).append(ref)
+    return ref
+
+
+def broadcast_and_transports(name: str, rank: int, descriptions: list, src: int) -> tuple[str, list[str]]:
+    """One tensorwire-backend broadcast (tests/collectives/standalone.py); the digest and the
+    transports of this process's fetches during it."""
+    from tests.collectives.standalone import broadcast
+
+    before = len(tw.stats()["recent"])
+    got = broadcast(name, rank, descriptions, "cpu", src)
+    return got, [r.transport for r in tw.stats()["recent"][before:]]
