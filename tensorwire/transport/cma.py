@@ -270,7 +270,8 @@ def read_into(
     ``TransferTimeoutError`` naming ``what`` when the time is up.
 
     Raises:
-        PermissionLost: The kernel refused the read (direct reads are then off here).
+        PermissionLost: The kernel refused the read (the owner's pid may belong to another
+            process now; if the owner lives, the caller turns direct reads off).
         OSError: The process is gone (ESRCH) or the memory unmapped (EFAULT).
     """
     pieces = [(dst, src, n) for (dst, n), (src, m) in zip(local, info.ranges, strict=True) if n == m]
@@ -287,8 +288,7 @@ def read_into(
         word = ctypes.c_uint64(0)
         _read_pieces(pid, [(ctypes.addressof(word), info.live_address, 8)])
     except OSError as e:
-        if e.errno == errno.EPERM:
-            disable(f"process_vm_readv was refused ({e.strerror})")
+        if e.errno == errno.EPERM:  # the caller turns direct reads off if the owner still lives
             raise PermissionLost(f"the kernel refused to read the producer's memory: {e.strerror}") from None
         raise
     return word.value == info.nonce

@@ -1,31 +1,31 @@
 """``nixl``: one-sided READ through NVIDIA's NIXL transfer engine (extra ``nixl``).
 
-Found through the ``tensorwire.transports`` entry point in tensorwire's ``pyproject.toml``; no
-other module names it. The wheel (``nixl``, ``nixl-cu12`` or ``nixl-cu13``) bundles a UCX with
-verbs, mlx5, EFA and CUDA modules; without RDMA UCX uses TCP, shared memory or cma. Backends:
-``TENSORWIRE_NIXL_BACKENDS`` (default ``UCX``; ``LIBFABRIC`` for EFA). Host memory is verified on
-the CPU build VM; CUDA memory (``VRAM``) is unverified (no GPU there). One NIXL agent per
-process, made on first use (about 0.5 s here); its name is the published connection info.
+Found through the ``tensorwire.transports`` entry point in ``pyproject.toml``; no other module
+names it. The wheel (``nixl``, ``nixl-cu12`` or ``nixl-cu13``) bundles a UCX with verbs, mlx5,
+EFA and CUDA modules; without RDMA UCX uses TCP, shared memory or cma. Backends:
+``TENSORWIRE_NIXL_BACKENDS`` (default ``UCX``; ``LIBFABRIC`` for EFA). Host memory is verified
+on the CPU build VM, CUDA memory (``VRAM``) is not (no GPU there). One NIXL agent per process,
+made on its first export or fetch (about 0.5 s here); its name is the published connection info.
 
 **Producer.** ``export`` registers each tensor's whole storage once, cached per storage (address
-range + a weak reference), so later objects on the same memory (parameters, staging slots)
-reuse it; an entry is deregistered once its memory is freed or the cache
-(``TENSORWIRE_NIXL_CACHE``, default 512) evicts it unused. The handle carries the agent's name
-and connection metadata (331 B with UCX), the *partial* metadata of exactly the object's
-registrations (cached per set), their ids, a row per tensor and a *liveness slot*: a registered
-word that holds a random tag while the object lives and is cleared when it is freed.
+range + weak reference: parameters and staging slots reuse it), deregistered once its memory is
+freed or the cache (``TENSORWIRE_NIXL_CACHE``, default 512) evicts it unused. The handle carries
+the agent's name and connection metadata (331 B with UCX), the *partial* metadata of exactly the
+object's registrations, their ids, a row per tensor and a *liveness slot*: a registered word
+holding a random tag while the object lives, cleared when it is freed.
 
-**Consumer.** Load the owner's connection metadata if new and its partial metadata only if the
-handle names an unseen registration id; register the destinations (same cache: ``out=``
-buffers once); post one READ of the tensors plus the slot; poll to DONE; check the tag. No
-control call. Waits are bounded by the deadline, the owner's liveness checked every 0.2 s (a
-status call every 2 s across machines); a failed or late transfer's handle is released (NIXL
-cancels it) and both agents stay usable. Known limits: docs/architecture.md, "nixl details".
+**Consumer.** Load the owner's connection metadata if new, its partial metadata only for unseen
+registration ids; register the destinations (same cache: ``out=`` buffers once); READ the
+tensors, poll to DONE, then READ the slot and check the tag (a free racing the data is seen).
+No control call. Waits are bounded by the deadline, the owner's liveness checked every 0.2 s (a
+status call every 2 s across machines); a failed or late transfer's handle is released and both
+agents stay usable. Known limits: docs/architecture.md, "nixl details"; security: docs/security.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import importlib
 import importlib.util
 import itertools
@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorwire.errors import TransferTimeoutError, TransportError, TransportUnavailableError
+from tensorwire.errors import PermissionDeniedError, TransferTimeoutError, TransportError, TransportUnavailableError
 from tensorwire.transport.base import Capabilities, FetchRequest, PeerInfo, StoredObject, Transport
 from tensorwire.transport.costs import CostEstimate, CostModel, MemoryKind, Placement
 
@@ -58,6 +58,7 @@ _SLOTS = 4096  # liveness slots per process (objects exported and live at once)
 _VERSION = 1
 _HEADER = struct.Struct("!BHIIIIQQ")  # version, name, conn, partial count, regs, rows, flag address, tag
 _ROW = np.dtype([("addr", ">u8"), ("len", ">u8"), ("dev", ">u4"), ("vram", "u1")])
+_MAC = 16  # bytes of HMAC-SHA256 (key: the object's token) that end a handle
 _POLL_S = (0.2, 2.0)  # seconds between liveness checks of the owner: its pid, a status call
 
 
@@ -74,8 +75,7 @@ def nixl_api() -> Any:
 
 def backends() -> list[str]:
     """The NIXL backends to create (``TENSORWIRE_NIXL_BACKENDS``, default ``UCX``)."""
-    names = [b.strip() for b in os.environ.get(BACKENDS_ENV, "UCX").split(",") if b.strip()]
-    return names or ["UCX"]
+    return [b.strip() for b in os.environ.get(BACKENDS_ENV, "UCX").split(",") if b.strip()] or ["UCX"]
 
 
 def _region(tensor: Any) -> tuple[int, int, bool, int]:
@@ -109,8 +109,7 @@ class _Agent:
                 f"nixl: none of the backends {wanted} ({BACKENDS_ENV}) could be created; "
                 f"plug-ins available: {self.nixl.get_plugin_list()}"
             )
-        self.name = name
-        self.lock = threading.RLock()
+        self.name, self.lock = name, threading.RLock()
         self.capacity = max(16, int(os.environ.get(CACHE_ENV, "512")))
         self.regs: OrderedDict[tuple[int, int, bool, int], _Reg] = OrderedDict()
         self.idle: list[_Reg] = []  # users dropped to 0: checked for freed memory on the next use
@@ -120,13 +119,11 @@ class _Agent:
         counters = ("registered", "deregistered", "hits", "metadata_loads", "partial_loads", "leaked_handles")
         self.stats = dict.fromkeys(counters, 0)
         self.conn_md = self.nixl.get_agent_metadata()
-        self.table = torch.zeros(_SLOTS, dtype=torch.int64)  # producer: tags of live objects
-        self.flags = torch.zeros(_SLOTS, dtype=torch.int64)  # consumer: where tags are read into
+        # producer: the tags of live objects; consumer: where tags are read into
+        self.table, self.flags = (torch.zeros(_SLOTS, dtype=torch.int64) for _ in range(2))
         self.table_reg, self.flags_reg = self.acquire([self.table, self.flags])
         self.table_np, self.flags_np = self.table.numpy(), self.flags.numpy()  # cheaper to index
         self.free_table, self.free_flags = list(range(_SLOTS)), list(range(_SLOTS))
-
-    # ------------------------------------------------------------------ registrations
 
     def acquire(self, tensors: Sequence[Any]) -> list[_Reg]:
         """The registrations covering ``tensors``, each used once more; the missing ones are
@@ -176,10 +173,11 @@ class _Agent:
                     self.idle.append(reg)
 
     def _sweep(self) -> None:
+        """Deregister idle entries whose memory is gone; keep watching those still alive."""
         idle, self.idle = self.idle, []
         for reg in idle:
-            if reg.users == 0 and reg.weak.expired() and self.regs.get(reg.key) is reg:
-                self._drop(reg)
+            if reg.users == 0 and self.regs.get(reg.key) is reg:
+                (self._drop if reg.weak.expired() else self.idle.append)(reg)
 
     def _trim(self) -> None:
         if len(self.regs) <= self.capacity:
@@ -220,17 +218,15 @@ class _Agent:
         """Consumer: the owner's connection (once) and the registrations it names (when new)."""
         with self.lock:
             known = self.remote.get(handle.name)
-            if known is None:
-                loaded = self.nixl.add_remote_agent(handle.conn_md)
-                if (loaded.decode() if isinstance(loaded, bytes) else loaded) != handle.name:
+            if known is not None and set(handle.rids) <= known:
+                return
+            for blob in ([] if known is not None else [handle.conn_md]) + list(handle.partials):
+                name = self.nixl.add_remote_agent(blob)
+                if (name.decode() if isinstance(name, bytes) else name) != handle.name:
                     raise TransportError(f"nixl: metadata in a handle does not belong to agent {handle.name}")
-                known = self.remote[handle.name] = set()
-                self.stats["metadata_loads"] += 1
-            if not set(handle.rids) <= known:
-                for blob in handle.partials:
-                    self.nixl.add_remote_agent(blob)
-                known.update(handle.rids)
-                self.stats["partial_loads"] += 1
+            self.stats["metadata_loads"] += known is None
+            self.stats["partial_loads"] += 1
+            self.remote.setdefault(handle.name, set()).update(handle.rids)
 
     def forget_remote(self, name: str) -> None:
         with self.lock:
@@ -335,9 +331,8 @@ class NixlTransport(Transport):
         self._peers: dict[str, str] = {}  # tensorwire agent id -> its NIXL agent name
 
     def unavailable_reason(self) -> str | None:
-        if not any(importlib.util.find_spec(m.split(".")[0]) for m in _MODULES):
-            return "NIXL is not installed: pip install 'tensorwire[nixl]' (or nixl-cu12)"
-        return None
+        found = any(importlib.util.find_spec(m.split(".")[0]) for m in _MODULES)
+        return None if found else "NIXL is not installed: pip install 'tensorwire[nixl]' (or nixl-cu12)"
 
     def connection_info(self) -> str:
         """Any process: the name its NIXL agent has (or will have, on first use)."""
@@ -356,8 +351,6 @@ class NixlTransport(Transport):
         if name and agent is not None:
             agent.forget_remote(name)
 
-    # ------------------------------------------------------------------ producer
-
     def export(self, obj: StoredObject) -> bytes | None:
         """Producer: register the object's storages (cached) and take a liveness slot."""
         tensors = obj.tensors
@@ -368,24 +361,25 @@ class NixlTransport(Transport):
         if slot is None:
             logger.info("nixl: %d objects exported and live: this one goes through another transport", _SLOTS)
             return None
+        regs: list = []
         try:
             regs = agent.acquire(tensors)
             partials = agent.partial_metadata([*regs, agent.table_reg])
+            for _device, event in obj.ready:  # READs come from another process with no stream order: wait here
+                event.synchronize()
         except Exception as e:
             agent.free_table.append(slot)
+            agent.unuse(regs)
             raise TransportError(f"nixl: registering {obj.nbytes} bytes failed: {e}") from e
-        for _device, event in obj.ready:  # READs come from another process with no stream order: wait here
-            event.synchronize()
         tag = secrets.randbits(63) | 1
         agent.table_np[slot] = tag
         obj.transport_state[self.name] = (regs, slot)
-        rows = np.zeros(len(tensors), dtype=_ROW)
-        for i, t in enumerate(tensors):
-            cuda = t.device.type == "cuda"
-            rows[i] = (t.data_ptr(), t.numel() * t.element_size(), (t.device.index or 0) if cuda else 0, cuda)
+        cells = [(t.data_ptr(), t.nbytes, t.device.index or 0, t.device.type == "cuda") for t in tensors]
+        rows = np.array(cells, dtype=_ROW)
         rids = (*(r.rid for r in regs), agent.table_reg.rid)
         flag_addr = agent.table.data_ptr() + 8 * slot
-        return _Handle(agent.name, agent.conn_md, tuple(partials), rids, rows, flag_addr, tag).encode()
+        body = _Handle(agent.name, agent.conn_md, tuple(partials), rids, rows, flag_addr, tag).encode()
+        return body + hmac.digest(obj.token, body, "sha256")[:_MAC]  # opened only with the object's token
 
     def release(self, obj: StoredObject) -> None:
         state = obj.transport_state.pop(self.name, None)
@@ -400,8 +394,11 @@ class NixlTransport(Transport):
     # ------------------------------------------------------------------ consumer
 
     def fetch(self, request: FetchRequest, dst: Sequence[Any]) -> None:
-        """Consumer: one READ of every tensor and the liveness slot, polled to completion."""
-        handle = _Handle.decode(request.handle or b"")  # none: "malformed handle"
+        """Consumer: one READ of every tensor, then one of the liveness slot, polled to completion."""
+        data = request.handle or b""
+        if not hmac.compare_digest(hmac.digest(request.token, data[:-_MAC], "sha256")[:_MAC], data[-_MAC:]):
+            raise PermissionDeniedError(f"nixl: the token does not open object {request.object_id.hex()}")
+        handle = _Handle.decode(data[:-_MAC])
         expected = self._peers.get(request.owner.agent_id)
         if expected is not None and expected != handle.name:
             raise TransportError(f"nixl: handle names agent {handle.name}, the owner published {expected}")
@@ -416,10 +413,11 @@ class NixlTransport(Transport):
         for t, row in targets:
             if t.numel() * t.element_size() != row[1] or not t.is_contiguous():
                 raise TransportError("nixl: a destination buffer does not match the handle")
+        regs = agent.acquire([t for t, _ in targets])
         slot = agent.take(agent.free_flags)
         if slot is None:
+            agent.unuse(regs)
             raise TransportUnavailableError(f"nixl: {_SLOTS} fetches in flight in this process")
-        regs = agent.acquire([t for t, _ in targets])
         try:
             agent.flags_np[slot] = 0
             self._read(agent, handle, targets, slot, request)
@@ -431,18 +429,21 @@ class NixlTransport(Transport):
             agent.free_flags.append(slot)
 
     def _read(self, agent: _Agent, handle: _Handle, targets: list, slot: int, request: FetchRequest) -> None:
-        groups: dict[tuple[bool, bool], tuple[list, list]] = {(False, False): ([], [])}
+        groups: dict[tuple[bool, bool], tuple[list, list]] = {}
         for t, row in targets:
             vram = t.device.type == "cuda"
             local, remote = groups.setdefault((vram, bool(row[3])), ([], []))
             local.append((t.data_ptr(), row[1], (t.device.index or 0) if vram else 0))
             remote.append(row[:3])
-        local, remote = groups[(False, False)]
-        local.append((agent.flags.data_ptr() + 8 * slot, 8, 0))
-        remote.append((handle.flag_addr, 8, 0))
+        flag = ([(agent.flags.data_ptr() + 8 * slot, 8, 0)], [(handle.flag_addr, 8, 0)])
+        self._post(agent, handle, [g for g in groups.items() if g[1][0]], request)
+        self._post(agent, handle, [((False, False), flag)], request)  # the tag only after the data: no stale bytes
+
+    def _post(self, agent: _Agent, handle: _Handle, groups: list, request: FetchRequest) -> None:
+        """READ each (memory kinds, (local, remote)) group; wait for all; release the handles."""
         xfers = []
         try:
-            for (lv, rv), (local, remote) in groups.items():
+            for (lv, rv), (local, remote) in groups:
                 ldescs = agent.nixl.get_xfer_descs(local, "VRAM" if lv else "DRAM")
                 rdescs = agent.nixl.get_xfer_descs(remote, "VRAM" if rv else "DRAM")
                 xfer = agent.nixl.initialize_xfer("READ", ldescs, rdescs, handle.name)
@@ -480,16 +481,12 @@ class NixlTransport(Transport):
             now = time.monotonic()
             if now >= request.deadline:
                 what = f"object {request.object_id.hex()} from {owner.agent_id}"
-                raise TransferTimeoutError(
-                    f"nixl: READ of {what} still in progress at its deadline ({now - start:.3g} s)"
-                )
-            if now >= next_alive:
+                raise TransferTimeoutError(f"nixl: READ of {what} unfinished at its deadline ({now - start:.3g} s)")
+            if now >= next_alive:  # the owner's pid, else (another machine) its status, now and then
                 next_alive = now + _POLL_S[0]
-                if not self.context.peer_may_be_alive(owner):
-                    self.context.check_owner(request)  # raises OwnerDiedError
-            if remote_machine and now >= next_status:
-                next_status = now + _POLL_S[1]
-                self.context.check_owner(request)
+                if not self.context.peer_may_be_alive(owner) or (remote_machine and now >= next_status):
+                    next_status = now + _POLL_S[1]
+                    self.context.check_owner(request)  # raises OwnerDiedError / PeerLostError
             spins += 1
             if spins > 200:
                 time.sleep(0 if now - start < 0.002 else 0.0001)

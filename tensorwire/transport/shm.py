@@ -253,6 +253,8 @@ class ShmTransport(Transport):
                 what=f"shm direct read of {request!r}",
             )
         except cma.PermissionLost as e:
+            self.context.check_owner(request)  # a dead owner's pid reused by another user: OwnerDiedError
+            cma.disable(f"process_vm_readv was refused: {e}")
             logger.info("shm: direct reads are off in this process (%s); using segments", e)
             return False
         except OSError:

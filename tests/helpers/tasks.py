@@ -53,6 +53,13 @@ def get_error(ref: tw.Ref, **kwargs: Any) -> str:
     return "ok"
 
 
+def usable_transports() -> list[str]:
+    """The transports usable in this process."""
+    from tensorwire.transport.agent import get_agent
+
+    return sorted(get_agent().transports())
+
+
 def get_transport(ref: tw.Ref, **kwargs: Any) -> tuple[str, str]:
     """(digest, transport used) of one get."""
     value = tw.get(ref, **kwargs)

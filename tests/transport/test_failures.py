@@ -81,14 +81,16 @@ def test_ref_freed_mid_transfer_is_complete_or_freed_never_partial(agent, worker
         tw.get(ref)
 
 
-@pytest.mark.parametrize("transport", ["host", "shm", "ucx", "gloo", ""])
+@pytest.mark.parametrize("transport", ["host", "shm", "ucx", "gloo", "nixl", ""])
 def test_forged_token_is_denied(owner, transport):
     """A reference whose token was changed, keeping every export handle it carries (the shm
-    segment's address included), reads nothing on any transport."""
+    server's address, nixl's metadata and addresses), reads nothing on any transport."""
+    if transport == "nixl" and "nixl" not in owner.call("tests.helpers.tasks:usable_transports"):
+        pytest.skip("the nixl package is not installed (pip install 'tensorwire[nixl]')")
     ref, expected = owner.call("tests.helpers.tasks:put_and_return", 1 << 20)
-    pickle.dumps(ref)  # exported: the reference now carries the shm handle
+    pickle.dumps(ref)  # exported: the reference now carries the one-sided handles
     state = ref.state
-    assert "shm" in state.handles
+    assert "shm" in state.handles and (transport != "nixl" or "nixl" in state.handles)
     forged = Ref(state._replace(desc=replace(ref._desc, token=os.urandom(16)), pin_id=b""))
     with pytest.raises(tw.PermissionDeniedError):
         tw.get(forged, transport=transport)

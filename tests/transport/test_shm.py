@@ -235,7 +235,7 @@ def test_a_refused_direct_read_falls_back_to_the_segment(agent, worker, monkeypa
     monkeypatch.setattr(cma, "_reason", None)
     got = tw.get(ref, transport="shm")
     assert torch.equal(got, torch.full((1 << 20,), 9, dtype=torch.uint8))
-    assert cma.unavailable_reason() == "process_vm_readv was refused (Operation not permitted)"
+    assert cma.unavailable_reason().startswith("process_vm_readv was refused: ")  # the owner lives: off here
 
 
 def test_partial_direct_reads_resume_where_the_kernel_stopped(monkeypatch):
