@@ -11,6 +11,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # only loopback traffic o
 # .ci/load-run) they got about 4% of a core each and the suite would take hours. The tests'
 # Ray workers run at the same niceness as everything else, so load slows every process alike.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# A loaded machine can take longer than Ray's default 30 s to start a local GCS (seen in CI runs
+# with other processes busy): the tests and the processes they start wait up to 120 s for it.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 import pytest
 

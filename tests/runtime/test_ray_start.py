@@ -7,6 +7,7 @@ import pytest
 from tensorwire.runtime.api import _start_ray
 
 TIMED_OUT = Exception("The current node timed out during startup. This could happen because ...")
+GCS_LATE = RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_ab12")
 
 
 class FakeRay:
@@ -26,7 +27,7 @@ class FakeRay:
 
 def test_a_local_start_that_timed_out_is_tried_again(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    ray = FakeRay([TIMED_OUT, TIMED_OUT])
+    ray = FakeRay([TIMED_OUT, GCS_LATE])  # the raylet, then the GCS, too slow
     _start_ray(ray, None, {"num_cpus": 2})
     assert ray.calls == [(None, {"num_cpus": 2})] * 3 and ray.shutdowns == 2
 
