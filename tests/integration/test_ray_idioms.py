@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 
 import pytest
 import ray
@@ -95,17 +96,18 @@ def test_ray_get_wait_cancel_kill_on_tensorwire_objects(echo, ray_local):
     ready, not_ready = ray.wait([ref, running], num_returns=1, timeout=30)
     assert ready == [ref] and not_ready == [running]
     # A task is cancelled whether it is queued or running (Ray interrupts it); an actor call
-    # that already runs is not (Ray's rule), so the test cancels a task. A cancel that reaches a
-    # task while its worker still starts can be lost (seen on a loaded machine): cancel again.
-    deadline = time.monotonic() + 180
-    with pytest.raises(ray.exceptions.TaskCancelledError):
-        while True:
-            ray.cancel(running)
-            try:
-                tw.get(running, timeout_s=15)
-                pytest.fail("a cancelled task returned its value")
-            except tw.TransferTimeoutError:
-                assert time.monotonic() < deadline, "the cancelled task neither ended nor raised in 180 s"
+    # that already runs is not (Ray's rule), so the test cancels a task. An interrupt that
+    # reaches the worker before the task runs can be lost (seen once on a loaded machine):
+    # then the test ends the task with force=True, which Ray reports as a crashed worker.
+    ray.cancel(running)
+    try:
+        with pytest.raises(ray.exceptions.TaskCancelledError):
+            tw.get(running, timeout_s=60)
+    except tw.TransferTimeoutError:
+        warnings.warn("ray.cancel's interrupt was lost; cancelled with force=True", stacklevel=1)
+        ray.cancel(running, force=True)
+        with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError)):
+            tw.get(running, timeout_s=120)
 
     @tw.remote(num_cpus=0)
     def task(n: int):
