@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
 INSTALLED = any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12", "nixl_cu13"))
@@ -19,15 +18,8 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def producer():
-    w = Worker()
-    yield w
-    w.close()
-
-
-def test_nixl_cuda_to_cuda_between_processes_on_one_gpu(producer):
-    ref, expected = producer.call("tests.helpers.gpu_tasks:put_cuda_state", seed=11)
+def test_nixl_cuda_to_cuda_between_processes_on_one_gpu(worker):
+    ref, expected = worker.call("tests.helpers.gpu_tasks:put_cuda_state", seed=11)
     value = tw.get(ref, transport="nixl", device="cuda")
     assert digest(value) == expected
     assert {t.device.type for t in value.values()} == {"cuda"}
@@ -38,8 +30,8 @@ def test_nixl_cuda_to_cuda_between_processes_on_one_gpu(producer):
     assert digest(got) == expected and {k: v.data_ptr() for k, v in got.items()} == pointers
 
 
-def test_nixl_cuda_producer_to_host_consumer(producer):
-    ref, expected = producer.call("tests.helpers.gpu_tasks:put_cuda_state", seed=12)
+def test_nixl_cuda_producer_to_host_consumer(worker):
+    ref, expected = worker.call("tests.helpers.gpu_tasks:put_cuda_state", seed=12)
     value = tw.get(ref, transport="nixl", device="cpu")
     assert digest(value) == expected
     assert {t.device.type for t in value.values()} == {"cpu"}
