@@ -18,8 +18,9 @@ holding a random tag while the object lives, cleared when it is freed.
 registration ids; register the destinations (same cache: ``out=`` buffers once); READ the
 tensors, poll to DONE, then READ the slot and check the tag (a free racing the data is seen).
 No control call. Waits are bounded by the deadline, the owner's liveness checked every 0.2 s (a
-status call every 2 s across machines); a failed or late transfer's handle is released and both
-agents stay usable. Known limits: docs/architecture.md, "nixl details"; security: docs/security.md.
+status call every 2 s across machines); a failed or late transfer's handle is released. NIXL's
+progress thread (a READ over TCP needs the producer's) pauses ``TENSORWIRE_NIXL_PROGRESS_US``
+(default 1000) between rounds, not 0 (a spin: a busy core per process). Limits: architecture.md.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ _SLOTS = 4096  # liveness slots per process (objects exported and live at once)
 _VERSION = 1
 _HEADER = struct.Struct("!BHIIIIQQ")  # version, name, conn, partial count, regs, rows, flag address, tag
 _ROW = np.dtype([("addr", ">u8"), ("len", ">u8"), ("dev", ">u4"), ("vram", "u1")])
+_PROGRESS_US = int(os.environ.get("TENSORWIRE_NIXL_PROGRESS_US", "1000"))  # progress thread's pause (NIXL's: 0, a spin)
 _MAC = 16  # bytes of HMAC-SHA256 (key: the object's token) that end a handle
 _POLL_S = (0.2, 2.0)  # seconds between liveness checks of the owner: its pid, a status call
 
@@ -103,7 +105,12 @@ class _Agent:
         wanted = backends()
         sync = getattr(api, "nixl_thread_sync_t", None)  # tensorwire fetches and exports from several threads
         config = api.nixl_agent_config(backends=wanted, **({"sync_mode": sync.NIXL_THREAD_SYNC_RW} if sync else {}))
-        self.nixl = api.nixl_agent(name, config)
+        bind, make = api.nixlBind, api.nixlBind.nixlAgent  # called with the config the API built: set the pause
+        bind.nixlAgent = lambda agent_name, c: (setattr(c, "pthrDelay", _PROGRESS_US), make(agent_name, c))[1]
+        try:  # under _agent's lock: no other agent is made meanwhile
+            self.nixl = api.nixl_agent(name, config)
+        finally:
+            bind.nixlAgent = make
         if not self.nixl.backends:
             raise TransportUnavailableError(
                 f"nixl: none of the backends {wanted} ({BACKENDS_ENV}) could be created; "
@@ -173,7 +180,6 @@ class _Agent:
                     self.idle.append(reg)
 
     def _sweep(self) -> None:
-        """Deregister idle entries whose memory is gone; keep watching those still alive."""
         idle, self.idle = self.idle, []
         for reg in idle:
             if reg.users == 0 and self.regs.get(reg.key) is reg:
@@ -346,8 +352,7 @@ class NixlTransport(Transport):
         self._peers[peer.agent_id] = info
 
     def forget_peer(self, agent_id: str) -> None:
-        name = self._peers.pop(agent_id, None)
-        agent = _process.get(os.getpid())
+        name, agent = self._peers.pop(agent_id, None), _process.get(os.getpid())
         if name and agent is not None:
             agent.forget_remote(name)
 
@@ -391,17 +396,14 @@ class NixlTransport(Transport):
         agent.free_table.append(slot)
         agent.unuse(regs)
 
-    # ------------------------------------------------------------------ consumer
-
     def fetch(self, request: FetchRequest, dst: Sequence[Any]) -> None:
         """Consumer: one READ of every tensor, then one of the liveness slot, polled to completion."""
         data = request.handle or b""
         if not hmac.compare_digest(hmac.digest(request.token, data[:-_MAC], "sha256")[:_MAC], data[-_MAC:]):
             raise PermissionDeniedError(f"nixl: the token does not open object {request.object_id.hex()}")
         handle = _Handle.decode(data[:-_MAC])
-        expected = self._peers.get(request.owner.agent_id)
-        if expected is not None and expected != handle.name:
-            raise TransportError(f"nixl: handle names agent {handle.name}, the owner published {expected}")
+        if self._peers.get(request.owner.agent_id, handle.name) != handle.name:
+            raise TransportError(f"nixl: handle names agent {handle.name}, not the one its owner published")
         if len(handle.rows) != len(dst):
             raise TransportError(f"nixl: handle has {len(handle.rows)} tensors, the request {len(dst)}")
         agent = _agent()
