@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import tensorwire as tw
-from benchmarks.bare_nixl import BareNixl, nixl_api
+from benchmarks.bare_nixl import BareNixl, skipped
 from tensorwire.bench.schema import machine
 from tests.helpers.procs import Worker
 
@@ -196,10 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 KiB and 1 MiB, a 4 MiB dict, one round (a check)")
     parser.add_argument("--other-node", action="store_true", help="claim two nodes, UCX over TCP only")
     args = parser.parse_args(argv)
-    try:
-        nixl_api()
-    except ImportError as e:
-        print(f"skipped: {e}")
+    if skipped():
         return 0
     sizes = (4096, MIB) if args.quick else SIZES
     repeats = {n: 3 for n in sizes} if args.quick else REPEATS
