@@ -230,7 +230,8 @@ class _Agent:
                 name = self.nixl.add_remote_agent(blob)
                 if (name.decode() if isinstance(name, bytes) else name) != handle.name:
                     raise TransportError(f"nixl: metadata in a handle does not belong to agent {handle.name}")
-            self.stats["metadata_loads"] += known is None
+            if known is None:
+                self.stats["metadata_loads"] += 1
             self.stats["partial_loads"] += 1
             self.remote.setdefault(handle.name, set()).update(handle.rids)
 
