@@ -19,6 +19,12 @@ def stats() -> dict[str, int]:
     return nixl.stats()
 
 
+def started_stats() -> dict[str, int]:
+    """The counters once this process's NIXL agent exists (its own slot tables registered)."""
+    nixl._agent()
+    return nixl.stats()
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

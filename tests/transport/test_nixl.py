@@ -84,7 +84,7 @@ def test_metadata_once_per_peer_and_registrations_reused(pair):
     out= buffer: the producer registers once, the consumer loads partial metadata once and
     registers its buffer once."""
     producer, consumer = pair
-    p0, c0 = producer.call(f"{T}:stats"), consumer.call(f"{T}:stats")
+    p0, c0 = producer.call(f"{T}:started_stats"), consumer.call(f"{T}:started_stats")  # alone or after others
     refs = [producer.call(f"{T}:put_kept", "param", MIB, 9)] + [
         producer.call(f"{T}:put_again", "param") for _ in range(5)
     ]
