@@ -149,7 +149,7 @@ def _actor_device() -> Any:
 
 def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict[str, Any], resolve: bool) -> Any:
     """``args``/``kwargs`` with Refs replaced by their values (fetched concurrently)."""
-    from tensorwire.runtime.api import get
+    from tensorwire.runtime.api import get_arguments
     from tensorwire.runtime.raycompat import Arrived, state_of
 
     states = {int(k[len(_LIFTED_PREFIX) :]): kwargs.pop(k) for k in list(kwargs) if k.startswith(_LIFTED_PREFIX)}
@@ -178,10 +178,10 @@ def _resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict
     if not found:
         return skeleton
     device = call.get("device") or _actor_device()
-    # Arguments are inputs the method consumes (often copying them into its own parameters),
-    # so same-node values arrive as copy-on-write mappings of the producer's shared memory:
-    # private like a copy, but no bytes move until the method reads them.
-    fetched = get(found, device=device, transport=call.get("transport", ""), view=True)
+    # Arguments are inputs the method consumes (often copying them into its own parameters):
+    # host values come by one copy into pooled memory that the next call's arguments reuse,
+    # GPU values as zero-copy views where the transport allows.
+    fetched = get_arguments(found, device=device, transport=call.get("transport", ""))
     return values.unflatten(skeleton, fetched)
 
 

@@ -24,8 +24,9 @@ from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ray_env import configure_process
 from tensorwire.runtime.ref import Ref, RefState
 from tensorwire.transport import topology
-from tensorwire.transport.base import ObjectDescriptor, TensorKind, TensorMeta
+from tensorwire.transport.base import MemoryKind, ObjectDescriptor, TensorKind, TensorMeta
 from tensorwire.transport.config import validate_timeout
+from tensorwire.transport.host_pool import fill_from_pool
 from tensorwire.transport.packing import packed_layout
 
 __all__ = ["free", "get", "get_async", "init", "put", "register_tensors", "stats", "target_device", "wait",
@@ -254,6 +255,7 @@ def _get_one(
     transport: str,
     view: bool,
     timeout_s: float | None,
+    pooled: bool = False,
 ) -> Any:
     if not isinstance(ref, Ref):
         from tensorwire.runtime.raycompat import Arrived
@@ -286,15 +288,21 @@ def _get_one(
             usable = buffer is not None and buffer.device.type in ("cpu", "cuda") and buffer.is_contiguous()
             dst.append(buffer if usable else None)
     targets = _targets(desc.metas, device)
-    tensors, record = agent.fetch(
-        desc,
-        state.handles,
-        dst=dst,
-        targets=targets,
-        transport=transport or state.transport,
-        view=dst is None,
-        timeout_s=timeout_s,
-    )
+    lease = fill_from_pool(agent.host_pool, desc.metas, desc.packed_nbytes, dst, targets) if pooled and dst else None
+    try:
+        tensors, record = agent.fetch(
+            desc,
+            state.handles,
+            dst=dst,
+            targets=targets,
+            transport=transport or state.transport,
+            view=dst is None,
+            timeout_s=timeout_s,
+        )
+    except BaseException:
+        if lease is not None:
+            lease.discard()  # a transfer may still be writing into it
+        raise
     ref.mark_moved(record.transport)
     return _place(skeleton, tensors, desc.metas, targets, (outs, out_tensors))
 
@@ -360,12 +368,29 @@ def get(
         outs = list(out) if out is not None else [None] * len(ref)
         if len(outs) != len(ref):
             raise ValueError(f"out has {len(outs)} entries for {len(ref)} refs")
-        options = {"device": device, "transport": transport, "view": view, "timeout_s": timeout_s}
-        if len(ref) <= 1:
-            return [_get_one(r, out=o, **options) for r, o in zip(ref, outs, strict=True)]
-        futures = [_executor().submit(_get_one, r, out=o, **options) for r, o in zip(ref, outs, strict=True)]
-        return [f.result() for f in futures]
+        options = {"device": device, "transport": transport, "timeout_s": timeout_s}
+        return _get_all(list(ref), outs, [view] * len(ref), options)
     return _get_one(ref, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s)
+
+
+def _get_all(refs: list[Any], outs: list[Any], views: list[bool], options: dict[str, Any]) -> list[Any]:
+    """Fetch ``refs`` concurrently; ``views[i]`` is the ``view`` of ``refs[i]``, and a
+    reference fetched as a copy lands in pooled host memory when ``options["pooled"]``."""
+    jobs = [functools.partial(_get_one, r, out=o, view=v, **options) for r, o, v in zip(refs, outs, views, strict=True)]
+    if len(jobs) <= 1:
+        return [job() for job in jobs]
+    futures = [_executor().submit(job) for job in jobs]
+    return [f.result() for f in futures]
+
+
+def get_arguments(refs: list[Ref], *, device: str | torch.device | None, transport: str) -> list[Any]:
+    """The values of a ``@tw.method``'s reference arguments, fetched concurrently: values in
+    GPU memory as zero-copy views where the transport allows (cuda_ipc), host values copied
+    once into pooled memory already faulted in (:mod:`tensorwire.transport.host_pool`),
+    which the next call's arguments of the same size reuse once these tensors are gone."""
+    views = [any(m.memory is MemoryKind.CUDA for m in r.resolve().desc.metas) for r in refs]
+    options = {"device": device, "transport": transport, "timeout_s": None, "pooled": True}
+    return _get_all(refs, [None] * len(refs), views, options)
 
 
 async def get_async(ref: Ref | list[Ref], **kwargs: Any) -> Any:

@@ -43,6 +43,7 @@ from tensorwire.transport.config import Config, validate_timeout
 from tensorwire.transport.control import ControlServer, cluster_token, socket_dir
 from tensorwire.transport.fetch import FetchDispatch, hold_while_alive
 from tensorwire.transport.holders import Holders
+from tensorwire.transport.host_pool import HostPool
 from tensorwire.transport.instances import LoadedTransports
 from tensorwire.transport.metrics import TransferRecord
 from tensorwire.transport.peer_client import PeerClient
@@ -108,6 +109,7 @@ class Agent(TransportContext):
             closed=self._closed,
         )
         self._mailbox = Mailbox()
+        self.host_pool = HostPool(self._config.host_pool_nbytes)
         self._service = ControlService(
             lock=self._lock,
             store=self._store,
@@ -373,6 +375,7 @@ class Agent(TransportContext):
                 "transports_unusable": self._transports.unusable(),
                 "transfers": {n: {"count": c, "nbytes": b} for n, (c, b) in self._counters.items()},
                 "recent": list(self._records),
+                "host_pool": self.host_pool.stats(),
             }
 
     def _warn_once(self, key: str, message: str, *args: object) -> None:
@@ -400,6 +403,7 @@ class Agent(TransportContext):
             run_bounded(transport.close, what=f"closing transport {transport.name}")
         run_bounded(lambda: self._server.stop(grace_s=0.2), what="stopping the control service")
         run_bounded(self._client.close, what="closing the control client")
+        self.host_pool.close()
 
 
 _agent: Agent | None = None

@@ -97,6 +97,16 @@ class Consumer:
     def get_kept(self) -> str:
         return digest(tw.get(self.kept))
 
+    def digest_and_address(self, value) -> tuple[str, int]:
+        return digest(value), value.data_ptr()
+
+    def keep_argument(self, value) -> int:
+        self.kept_argument = value
+        return value.data_ptr()
+
+    def kept_argument_digest(self) -> str:
+        return digest(self.kept_argument)
+
     def kinds(self, a, b) -> list[str]:
         return [type(a).__name__, type(b).__name__]
 

@@ -60,6 +60,22 @@ def test_nested_values_and_refs_nested_in_arguments(producer, consumer):
     assert got == digest({"first": value, "more": [torch.full((1000,), 4, dtype=torch.uint8), 5]})
 
 
+def test_host_arguments_reuse_memory_only_once_the_last_call_let_go_of_it(producer, consumer):
+    nbytes = 3 << 20
+
+    def filled(fill: int) -> str:
+        return digest(torch.full((nbytes,), fill, dtype=torch.uint8))
+
+    got, first = ray.get(consumer.digest_and_address.remote(producer.tensor.remote(nbytes, fill=1)))
+    assert got == filled(1)
+    got, second = ray.get(consumer.digest_and_address.remote(producer.tensor.remote(nbytes, fill=2)))
+    assert (got, second) == (filled(2), first)  # the argument landed in the memory of the last one
+    kept = ray.get(consumer.keep_argument.remote(producer.tensor.remote(nbytes, fill=3)))
+    got, third = ray.get(consumer.digest_and_address.remote(producer.tensor.remote(nbytes, fill=4)))
+    assert got == filled(4) and third != kept
+    assert ray.get(consumer.kept_argument_digest.remote()) == filled(3)  # a kept argument is never reused
+
+
 def test_thousand_tensor_state_dict(producer, consumer):
     ref = producer.make.remote(1000, 4 << 20, seed=2)
     assert ray.get(consumer.digest.remote(ref)) == digest(make_state(1000, 4 << 20, seed=2))
