@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.ray_compare")
     parser.add_argument("--quick", action="store_true", help="tiny values, three rounds (a check, not a measurement)")
     quick = parser.parse_args(argv).quick
-    tw.init(include_dashboard=False, num_cpus=4)
+    tw.init(address="local", include_dashboard=False, num_cpus=4)
     from ray.experimental.collective import create_collective_group
 
     twp, twc = TwProducer.remote(), TwConsumer.remote()

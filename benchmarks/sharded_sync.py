@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    tw.init(include_dashboard=False, num_cpus=8)
+    tw.init(address="local", include_dashboard=False, num_cpus=8)
     bench = Bench(args.mib * MIB, bucket_bytes=args.bucket_mib * MIB)
     try:
         print(bench.sync.plan, flush=True)

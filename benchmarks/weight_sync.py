@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     nbytes = args.mib * MIB
 
-    tw.init(include_dashboard=False, num_cpus=4)
+    tw.init(address="local", include_dashboard=False, num_cpus=4)
     from ray.experimental.collective import create_collective_group
 
     trainer = Node.options(enable_tensor_transport=True).remote(args.tensors, nbytes, 1)

@@ -177,7 +177,8 @@ def _measure(
 
 def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     started_ray = not calls.is_initialized()
-    tw.init(include_dashboard=False, num_cpus=max(4, options.peers + 2))
+    # a local instance of its own (its own CPU count), even when another cluster runs on this machine
+    tw.init(address="local", include_dashboard=False, num_cpus=max(4, options.peers + 2))
     rows = []
     try:
         if "p2p-actors" in options.scenarios:

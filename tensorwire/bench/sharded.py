@@ -261,7 +261,8 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     from tensorwire.bench.runner import make_row
 
     started = not calls.is_initialized()
-    tw.init(include_dashboard=False, num_cpus=8)
+    # a local instance of its own (its own CPU count), even when another cluster runs on this machine
+    tw.init(address="local", include_dashboard=False, num_cpus=8)
     rows = []
     try:
         bench = Bench(options.max_bytes)
