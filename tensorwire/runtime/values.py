@@ -162,6 +162,7 @@ def _as_tensor(value: Any, path: str) -> torch.Tensor:
 
 
 DESCEND = object()  # returned by a ``transform`` leaf function: "not a leaf, walk into it"
+_ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # never leaves
 
 
 def transform(value: Any, leaf: Callable[[Any, str], Any], path: str = "", _active: set[int] | None = None) -> Any:
@@ -172,12 +173,18 @@ def transform(value: Any, leaf: Callable[[Any, str], Any], path: str = "", _acti
     reference cycle, which would keep whatever it captured (tensors, references) alive
     until the garbage collector runs.
 
+    ``leaf`` must return :data:`DESCEND` for numbers, strings, bytes and None: a plain list or
+    tuple of nothing else is copied whole without a call per item (item by item, a list of
+    1.5 M ints took seconds to walk).
+
     Raises:
         ValueError: The value contains a reference cycle.
     """
     result = leaf(value, path)
     if result is not DESCEND:
         return result
+    if type(value) in (list, tuple) and set(map(type, value)) <= _ATOMS:
+        return value.copy() if type(value) is list else value
     active = _active if _active is not None else set()
     if id(value) in active:
         raise ValueError(f"value{path} refers back to a container that holds it (a reference cycle)")
@@ -299,6 +306,21 @@ class _SkeletonPickler(cloudpickle.CloudPickler):
 _SLOT_BYTES: dict[int, bytes] = {}  # the pickled skeleton of a lone tensor (the common value), by index
 
 
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is only dicts, lists and tuples (exact types, keys atoms) of atoms and
+    slots: such a skeleton pickles without a check per object (a 1.5 M-int list: 0.7 s less)."""
+    kind = type(value)
+    if kind in _ATOMS or kind is Slot:
+        return True
+    if depth > 32:
+        return False
+    if kind is dict:
+        return set(map(type, value)) <= _ATOMS and all(_is_plain(v, depth + 1) for v in value.values())
+    if kind is list or kind is tuple:
+        return set(map(type, value)) <= _ATOMS or all(_is_plain(v, depth + 1) for v in value)
+    return False
+
+
 def dumps_skeleton(skeleton: Any) -> bytes:
     """Pickle ``skeleton`` (cloudpickle) or raise ``TypeError`` naming what cannot travel.
     A lone tensor's skeleton (one ``Slot``) is pickled once per index and reused."""
@@ -307,6 +329,8 @@ def dumps_skeleton(skeleton: Any) -> bytes:
         if found is None:
             found = _SLOT_BYTES[skeleton.index] = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
         return found
+    if _is_plain(skeleton):  # nothing in it can hide a tensor: the C pickler alone
+        return pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
     buffer = io.BytesIO()
     try:
         _SkeletonPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(skeleton)

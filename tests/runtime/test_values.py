@@ -141,3 +141,24 @@ def test_a_lone_tensors_skeleton_is_pickled_once_and_loads_as_its_slot():
     loaded = pickle.loads(first)
     assert type(loaded) is values.Slot and loaded.index == 0
     assert pickle.loads(values.dumps_skeleton(values.Slot(3))).index == 3
+
+
+def test_plain_lists_are_copied_whole_and_tensors_among_plain_items_still_found():
+    ids = list(range(100_000))
+    skeleton, tensors, _ = flatten({"ids": ids, "mixed": [1, "a", torch.ones(3), None], "tag": (1, b"x", 2.5, True)})
+    assert skeleton["ids"] == ids and skeleton["ids"] is not ids  # a copy: later changes do not reach it
+    ids.append(-1)
+    assert len(skeleton["ids"]) == 100_000
+    assert len(tensors) == 1 and isinstance(skeleton["mixed"][2], Slot) and skeleton["tag"] == (1, b"x", 2.5, True)
+    loaded = pickle.loads(dumps_skeleton(skeleton))
+    assert loaded["ids"] == list(range(100_000)) and loaded["mixed"][2].index == 0
+
+
+def test_a_plain_looking_value_with_an_object_in_it_is_still_checked_for_hidden_tensors():
+    class Holder:
+        def __init__(self) -> None:
+            self.t = torch.ones(2)
+
+    skeleton, _, _ = flatten({"ids": [1, 2, 3], "holder": [Holder()]})
+    with pytest.raises(TypeError, match="does not walk"):
+        dumps_skeleton(skeleton)
