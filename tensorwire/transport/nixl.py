@@ -16,11 +16,10 @@ holding a random tag while the object lives, cleared when it is freed.
 
 **Consumer.** Load the owner's connection metadata if new, its partial metadata only for unseen
 registration ids; register the destinations (same cache: ``out=`` buffers once); READ the
-tensors, poll to DONE, then READ the slot and check the tag (a free racing the data is seen).
-No control call. Waits are bounded by the deadline, the owner's liveness checked every 0.2 s (a
+tensors, poll to DONE, then READ the slot and check the tag (a free racing the data is seen). No
+control call. Waits are bounded by the deadline, the owner's liveness checked every 0.2 s (a
 status call every 2 s across machines); a failed or late transfer's handle is released. NIXL's
-progress thread (a READ over TCP needs the producer's) pauses ``TENSORWIRE_NIXL_PROGRESS_US``
-(default 1000) between rounds, not 0 (a spin: a busy core per process). Limits: architecture.md.
+progress thread waits ``TENSORWIRE_NIXL_PROGRESS_US`` (1000) between rounds, not 0 (a spin).
 """
 
 from __future__ import annotations
@@ -116,10 +115,10 @@ class _Agent:
                 f"nixl: none of the backends {wanted} ({BACKENDS_ENV}) could be created; "
                 f"plug-ins available: {self.nixl.get_plugin_list()}"
             )
-        self.name, self.lock = name, threading.RLock()
+        self.name, self.lock, self.next_sweep = name, threading.RLock(), 0.0
         self.capacity = max(16, int(os.environ.get(CACHE_ENV, "512")))
         self.regs: OrderedDict[tuple[int, int, bool, int], _Reg] = OrderedDict()
-        self.idle: list[_Reg] = []  # users dropped to 0: checked for freed memory on the next use
+        self.idle: dict[tuple, _Reg] = {}  # users dropped to 0: checked for freed memory now and then
         self.ids = itertools.count(1)
         self.partials: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
         self.remote: dict[str, set[int]] = {}  # remote agent name -> registration ids loaded
@@ -177,20 +176,21 @@ class _Agent:
             for reg in regs:
                 reg.users -= 1
                 if reg.users == 0:
-                    self.idle.append(reg)
+                    self.idle[reg.key] = reg
 
     def _sweep(self) -> None:
-        idle, self.idle = self.idle, []
-        for reg in idle:
-            if reg.users == 0 and self.regs.get(reg.key) is reg:
-                (self._drop if reg.weak.expired() else self.idle.append)(reg)
+        """Deregister idle registrations whose memory was freed (at most every 0.1 s)."""
+        if time.monotonic() >= self.next_sweep:
+            self.next_sweep = time.monotonic() + 0.1
+            for key, reg in list(self.idle.items()):
+                if reg.users or self.regs.get(key) is not reg or reg.weak.expired():
+                    del self.idle[key]
+                    if not reg.users and self.regs.get(key) is reg:
+                        self._drop(reg)
 
     def _trim(self) -> None:
-        if len(self.regs) <= self.capacity:
-            return
-        for reg in [r for r in self.regs.values() if r.users == 0]:
-            if len(self.regs) <= self.capacity:
-                break
+        """Deregister the least recently used unused registrations beyond the capacity."""
+        for reg in [r for r in self.regs.values() if r.users == 0][: len(self.regs) - self.capacity]:
             self._drop(reg)
 
     def _drop(self, reg: _Reg) -> None:
@@ -273,7 +273,7 @@ def stats() -> dict[str, int]:
         return {}
     with agent.lock:
         return {**agent.stats, "cached": len(agent.regs), "remote_agents": len(agent.remote),
-                "live_slots": _SLOTS - len(agent.free_table)}  # fmt: skip
+                "live_slots": _SLOTS - len(agent.free_table), "idle": len(agent.idle)}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,7 @@ def test_thousand_new_objects_keep_caches_bounded_and_memory_flat():
             assert consumer.call(f"{T}:check_round", ref, i), i
             if i in (99, 999):
                 rss[i] = (producer.call(f"{T}:rss_bytes"), consumer.call(f"{T}:rss_bytes"))
+        assert len(set(consumer.call(f"{T}:read_into_out", [ref] * 300))) == 1  # one buffer, 300 reads
         producer.call(f"{T}:free_kept")
         ps, cs = producer.call(f"{T}:stats"), consumer.call(f"{T}:stats")
     finally:
@@ -175,6 +176,7 @@ def test_thousand_new_objects_keep_caches_bounded_and_memory_flat():
     assert ps["cached"] <= 34 and cs["cached"] <= 34, (ps, cs)  # 32 + the two tables
     assert ps["registered"] >= 1000 and ps["deregistered"] >= 1000 - 34, ps
     assert ps["live_slots"] == 0 and cs["metadata_loads"] == 1, (ps, cs)
+    assert ps["idle"] <= ps["cached"] and cs["idle"] <= cs["cached"], (ps, cs)  # each registration once
     for before, after in zip(rss[99], rss[999], strict=True):
         assert after - before < 48 * MIB, rss
 
