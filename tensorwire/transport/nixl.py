@@ -190,7 +190,7 @@ class _Agent:
 
     def _trim(self) -> None:
         """Deregister the least recently used unused registrations beyond the capacity."""
-        for reg in [r for r in self.regs.values() if r.users == 0][: len(self.regs) - self.capacity]:
+        for reg in [r for r in self.regs.values() if r.users == 0][: max(0, len(self.regs) - self.capacity)]:
             self._drop(reg)
 
     def _drop(self, reg: _Reg) -> None:

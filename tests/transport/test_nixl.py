@@ -251,3 +251,31 @@ def test_concurrent_fetches_from_several_threads(pair):
     refs = [producer.call(f"{T}:put_kept", f"c{i}", MIB + i, 100 + i) for i in range(8)]
     expected = [producer.call(f"{T}:kept_digest", f"c{i}") for i in range(8)]
     assert consumer.call("tests.helpers.tasks:get_concurrently", refs, "nixl", timeout_s=120) == expected
+
+
+def test_the_registration_cache_trims_only_past_its_capacity_and_only_unused_entries():
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from tensorwire.transport.nixl import _Agent, _Reg
+
+    dropped: list[int] = []
+    cache = SimpleNamespace(capacity=4, regs=OrderedDict())
+    cache._drop = lambda reg: (dropped.append(reg.rid), cache.regs.pop(reg.key))
+
+    def add(rid: int, users: int) -> None:
+        cache.regs[(rid, 1, False, 0)] = _Reg(rid, (rid, 1, False, 0), None, None, users)
+
+    for rid in range(3):
+        add(rid, 0)
+    _Agent._trim(cache)
+    assert dropped == []  # under the capacity: nothing goes
+    add(3, 1)
+    add(4, 0)
+    add(5, 0)
+    _Agent._trim(cache)
+    assert dropped == [0, 1] and len(cache.regs) == 4  # the oldest unused ones, down to the capacity
+    for rid in (6, 7):
+        add(rid, 1)
+    _Agent._trim(cache)
+    assert dropped == [0, 1, 2, 4] and list(r.rid for r in cache.regs.values()) == [3, 5, 6, 7]
