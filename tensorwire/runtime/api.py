@@ -262,7 +262,8 @@ def _get_one(
 
         if isinstance(ref, Arrived):
             ref = Ref(ref.state._replace(pin_id=b""))
-            return _get_one(ref, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s)
+            return _get_one(ref, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s,
+                            pooled=pooled)  # fmt: skip
         if type(ref).__name__ == "ObjectRef" and type(ref).__module__.startswith("ray"):
             return _get_object_ref(ref, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s)
         raise TypeError(f"tensorwire.get expects a Ref (or a list of Refs), got {type(ref).__name__}")
@@ -303,6 +304,8 @@ def _get_one(
         if lease is not None:
             lease.discard()  # a transfer may still be writing into it
         raise
+    if lease is not None and record.failed_attempts:
+        lease.discard()  # so might a transport that failed before this one succeeded
     ref.mark_moved(record.transport)
     return _place(skeleton, tensors, desc.metas, targets, (outs, out_tensors))
 
@@ -384,11 +387,18 @@ def _get_all(refs: list[Any], outs: list[Any], views: list[bool], options: dict[
 
 
 def get_arguments(refs: list[Ref], *, device: str | torch.device | None, transport: str) -> list[Any]:
-    """The values of a ``@tw.method``'s reference arguments, fetched concurrently: values in
-    GPU memory as zero-copy views where the transport allows (cuda_ipc), host values copied
-    once into pooled memory already faulted in (:mod:`tensorwire.transport.host_pool`),
-    which the next call's arguments of the same size reuse once these tensors are gone."""
-    views = [any(m.memory is MemoryKind.CUDA for m in r.resolve().desc.metas) for r in refs]
+    """Consumer (a ``@tw.remote`` actor or task): the values of a call's reference arguments,
+    fetched concurrently. Values holding GPU tensors come as zero-copy views where the
+    transport allows (cuda_ipc); host values landing on the host are copied once into pooled
+    memory already faulted in (:mod:`tensorwire.transport.host_pool`), which later arguments
+    of the same size reuse once these tensors are gone; staged task results as :func:`get`.
+
+    Args:
+        refs: The arguments' references, resolved (their states came with the call) or staged.
+        device: Where tensors land (the call's ``device`` option or the actor's GPU).
+        transport: The call's forced transport, "" for automatic.
+    """
+    views = [not r.is_staged and any(m.memory is MemoryKind.CUDA for m in r.resolve().desc.metas) for r in refs]
     options = {"device": device, "transport": transport, "timeout_s": None, "pooled": True}
     return _get_all(refs, [None] * len(refs), views, options)
 

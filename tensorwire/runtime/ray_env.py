@@ -86,7 +86,7 @@ def ray_result(object_ref: Any, timeout_s: float | None) -> Any:
         raise TimeoutError(f"not ready within {timeout_s} s") from None
 
 
-def _cluster_token(timeout_s: float = 180.0) -> str:
+def _cluster_token(*, timeout_s: float = 180.0) -> str:
     """The cluster's shared secret, from its detached keeper actor (started by the first
     process that asks). Bounded: Ray starts the actor's worker at nice 15, which took over a
     minute on the 2-core build VM with every core busy."""
@@ -98,12 +98,12 @@ def _cluster_token(timeout_s: float = 180.0) -> str:
     ).remote()
     try:
         return ray_result(keeper.token.remote(), timeout_s)
-    except TimeoutError:
+    except TimeoutError as e:
         raise TimeoutError(
             f"tensorwire's token actor ({TOKEN_NAMESPACE}/{TOKEN_ACTOR_NAME}) did not answer within {timeout_s} s: "
             "Ray could not start its worker in time (is the machine overloaded? Ray runs workers at nice 15 unless "
             "RAY_worker_niceness says otherwise)"
-        ) from None
+        ) from e
 
 
 class RayMetrics:

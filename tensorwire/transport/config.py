@@ -66,9 +66,9 @@ class Config:
         chunk_nbytes: Chunk size of streamed (two-sided) transfers.
         ref_warn_nbytes: ``put`` warns once per process when a value's non-tensor parts
             pickle to more than this, 0 never (``TENSORWIRE_REF_WARN_NBYTES``, default 1 MiB).
-        host_pool_nbytes: Idle host memory a consumer keeps for later values of the same size
-            (an actor's arguments), 0 none (``TENSORWIRE_HOST_POOL_NBYTES``, default an eighth
-            of the machine's memory, at most 4 GiB; :mod:`tensorwire.transport.host_pool`).
+        host_pool_nbytes: Idle host memory this process keeps for later values of the same
+            size (an actor's arguments; larger values are not pooled), 0 none
+            (``TENSORWIRE_HOST_POOL_NBYTES``, default 1 GiB; :mod:`tensorwire.transport.host_pool`).
     """
 
     inline_max_nbytes: int = 32 * 1024
@@ -96,14 +96,5 @@ class Config:
             host=os.environ.get("TENSORWIRE_HOST", "").strip() or cls.host,
             chunk_nbytes=_env_int("TENSORWIRE_CHUNK_NBYTES", cls.chunk_nbytes) or cls.chunk_nbytes,
             ref_warn_nbytes=_env_int("TENSORWIRE_REF_WARN_NBYTES", cls.ref_warn_nbytes),
-            host_pool_nbytes=_env_int("TENSORWIRE_HOST_POOL_NBYTES", _default_pool_nbytes()),
+            host_pool_nbytes=_env_int("TENSORWIRE_HOST_POOL_NBYTES", cls.host_pool_nbytes),
         )
-
-
-def _default_pool_nbytes() -> int:
-    """An eighth of this machine's memory, at most 4 GiB."""
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return Config.host_pool_nbytes
-    return min(4 << 30, memory // 8)

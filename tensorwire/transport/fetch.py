@@ -189,6 +189,7 @@ class FetchDispatch:
                 src=desc.owner.agent_id,
                 dst=self._peer().agent_id,
                 zero_copy=zero_copy,
+                failed_attempts=len(errors),
             )
             self._record(record)
             return tensors, record

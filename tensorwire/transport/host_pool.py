@@ -17,6 +17,7 @@ the next value.
 from __future__ import annotations
 
 import collections
+import logging
 import mmap
 import threading
 import weakref
@@ -29,12 +30,16 @@ from tensorwire.transport.base import TensorMeta
 
 __all__ = ["HostPool", "Lease", "fill_from_pool"]
 
+logger = logging.getLogger(__name__)
+
 _PAGE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class Lease:
-    """One buffer of a :class:`HostPool`: ``array`` (uint8, ``nbytes`` long) until it is collected."""
+    """One buffer of a :class:`HostPool` (consumer side): ``array`` (uint8, the requested
+    length), which goes back to the pool when it is collected. The holder keeps the lease
+    only while the fetch runs: a kept lease keeps the array."""
 
     def __init__(self, array: np.ndarray, finalizer: weakref.finalize) -> None:
         self.array = array
@@ -47,8 +52,13 @@ class Lease:
 
 
 class HostPool:
-    """Idle host buffers by size, at most ``max_idle_nbytes`` of them (least recently idle go
-    first; 0 keeps nothing). Thread-safe.
+    """Idle host buffers by size, at most ``max_idle_nbytes`` of them in this process (least
+    recently idle go first; 0 keeps nothing). Thread-safe.
+
+    Buffers come back through a finalizer of each leased array, which may run in any thread,
+    inside garbage collection and while the array still holds its buffer: it only queues the
+    buffer; :meth:`_settle` files it under the lock at the next call. Dropped buffers are never
+    closed here, only let go of: a mapping goes when its last user does.
 
     Args:
         max_idle_nbytes: Bytes of idle memory kept for later fetches.
@@ -61,17 +71,19 @@ class HostPool:
         self.min_nbytes = min_nbytes
         self._idle: collections.OrderedDict[int, list[mmap.mmap]] = collections.OrderedDict()
         self._idle_nbytes = 0
-        self._lock = threading.RLock()  # finalizers may run inside ``lease`` (garbage collection)
+        self._returned: collections.deque[mmap.mmap] = collections.deque()  # appended by finalizers
+        self._lock = threading.Lock()
         self._reused = 0
         self._made = 0
 
     def lease(self, nbytes: int) -> Lease | None:
         """A buffer of ``nbytes`` bytes (reused when one of that size is idle), or None when
-        the request is too small to pool or the pool keeps nothing."""
+        the request is too small to pool, the pool keeps nothing or no memory can be mapped."""
         if nbytes < self.min_nbytes or self.max_idle_nbytes <= 0 or nbytes > self.max_idle_nbytes:
             return None
         size = -(-nbytes // _PAGE) * _PAGE
         with self._lock:
+            self._settle()
             free = self._idle.get(size)
             memory = free.pop() if free else None
             if free is not None and not free:
@@ -79,48 +91,45 @@ class HostPool:
             if memory is not None:
                 self._idle_nbytes -= size
                 self._reused += 1
-            else:
-                self._made += 1
         if memory is None:
             try:
                 memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
-            except OSError:
-                return None  # no memory for it now: the caller allocates as usual
+            except OSError as e:
+                logger.debug("host pool: no %d-byte mapping (%s): allocating as usual", size, e)
+                return None
+            with self._lock:
+                self._made += 1
         array = np.frombuffer(memory, dtype=np.uint8, count=nbytes)
-        finalizer = weakref.finalize(array, self._give_back, memory)
+        finalizer = weakref.finalize(array, self._returned.append, memory)
         finalizer.atexit = False
         return Lease(array, finalizer)
 
-    def _give_back(self, memory: mmap.mmap) -> None:
-        size = len(memory)
-        dropped: list[mmap.mmap] = []
-        with self._lock:
-            self._idle.setdefault(size, []).append(memory)
-            self._idle.move_to_end(size)
-            self._idle_nbytes += size
-            while self._idle_nbytes > self.max_idle_nbytes and self._idle:
-                oldest_size, buffers = next(iter(self._idle.items()))
-                dropped.append(buffers.pop(0))
-                self._idle_nbytes -= oldest_size
-                if not buffers:
-                    del self._idle[oldest_size]
-        for old in dropped:
-            old.close()
+    def _settle(self) -> None:
+        """File the buffers given back since the last call, dropping the oldest idle ones
+        beyond the limit (under the lock)."""
+        while self._returned:
+            memory = self._returned.popleft()
+            self._idle.setdefault(len(memory), []).append(memory)
+            self._idle.move_to_end(len(memory))
+            self._idle_nbytes += len(memory)
+        while self._idle_nbytes > self.max_idle_nbytes and self._idle:
+            oldest_size, buffers = next(iter(self._idle.items()))
+            buffers.pop(0)
+            self._idle_nbytes -= oldest_size
+            if not buffers:
+                del self._idle[oldest_size]
 
     def close(self) -> None:
-        """Unmap every idle buffer and keep none from now on (leased ones are unmapped when
-        their tensors go)."""
+        """Let go of every idle buffer and keep none from now on (leased ones go when their
+        tensors do)."""
         with self._lock:
             self.max_idle_nbytes = 0
-            idle = [m for buffers in self._idle.values() for m in buffers]
-            self._idle.clear()
-            self._idle_nbytes = 0
-        for memory in idle:
-            memory.close()
+            self._settle()
 
     def stats(self) -> dict[str, int]:
         """Idle bytes and buffers, and how many leases were reused or newly mapped."""
         with self._lock:
+            self._settle()
             buffers = sum(len(b) for b in self._idle.values())
             idle = self._idle_nbytes
         return {"idle_nbytes": idle, "idle_buffers": buffers, "reused": self._reused, "made": self._made}
@@ -133,9 +142,19 @@ def fill_from_pool(
     dst: list[torch.Tensor | None],
     targets: Sequence[torch.device],
 ) -> Lease | None:
-    """Fill the empty host entries of ``dst`` with tensors on one pooled buffer in the object's
-    packed layout; the lease (None if nothing was pooled) is the caller's to
-    :meth:`~Lease.discard` should the fetch fail."""
+    """Consumer, before a fetch: fill the empty entries of ``dst`` whose target is the host
+    with tensors on one pooled buffer, in the object's packed layout.
+
+    Args:
+        pool: This process's pool (``Agent.host_pool``).
+        metas, packed_nbytes: The object's tensors and packed size (its descriptor).
+        dst: The fetch's destinations, None where the transport would allocate (changed in place).
+        targets: Where each tensor lands.
+
+    Returns:
+        The lease, or None if nothing was pooled. The caller must :meth:`~Lease.discard` it if
+        the fetch failed or any transport's attempt at it did (a failed attempt may still write).
+    """
     missing = [i for i, d in enumerate(dst) if d is None and targets[i].type == "cpu" and metas[i].nbytes]
     if not missing:
         return None

@@ -38,6 +38,7 @@ class TransferRecord:
     src: str
     dst: str
     zero_copy: bool
+    failed_attempts: int = 0  # transports tried before this one, which failed (fell back)
 
 
 Observer = Callable[[TransferRecord], None]

@@ -183,18 +183,18 @@ class _Agent:
         if time.monotonic() >= self.next_sweep:
             self.next_sweep = time.monotonic() + 0.1
             for key, reg in list(self.idle.items()):
-                if reg.users or self.regs.get(key) is not reg or reg.weak.expired():
+                if reg.users or self.regs.get(key) is not reg:
                     del self.idle[key]
-                    if not reg.users and self.regs.get(key) is reg:
-                        self._drop(reg)
+                elif reg.weak.expired():
+                    self._drop(reg)  # unlisted there too
 
-    def _trim(self) -> None:
-        """Deregister the least recently used unused registrations beyond the capacity."""
+    def _trim(self) -> None:  # the least recently used unused registrations beyond the capacity go
         for reg in [r for r in self.regs.values() if r.users == 0][: max(0, len(self.regs) - self.capacity)]:
             self._drop(reg)
 
     def _drop(self, reg: _Reg) -> None:
         self.regs.pop(reg.key, None)
+        self.idle.pop(reg.key, None)
         try:
             self.nixl.deregister_memory(reg.descs)
             self.stats["deregistered"] += 1

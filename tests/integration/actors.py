@@ -155,6 +155,11 @@ def task_digest(value) -> str:
 
 
 @tw.remote(num_cpus=0)
+def task_tensor(nbytes: int, fill: int) -> torch.Tensor:
+    return torch.full((nbytes,), fill, dtype=torch.uint8)
+
+
+@tw.remote(num_cpus=0)
 def task_make(nbytes: int) -> dict:
     inner = tw.put(torch.full((nbytes,), 9, dtype=torch.uint8))  # owned by the task's worker
     return {"inner": inner, "plain": torch.arange(4)}

@@ -21,6 +21,7 @@ from tests.integration.actors import (
     make_state,
     task_digest,
     task_make,
+    task_tensor,
 )
 
 
@@ -74,6 +75,12 @@ def test_host_arguments_reuse_memory_only_once_the_last_call_let_go_of_it(produc
     got, third = ray.get(consumer.digest_and_address.remote(producer.tensor.remote(nbytes, fill=4)))
     assert got == filled(4) and third != kept
     assert ray.get(consumer.kept_argument_digest.remote()) == filled(3)  # a kept argument is never reused
+
+
+def test_a_task_result_nested_in_an_actor_argument_arrives(consumer):
+    staged = task_tensor.remote(2 << 20, 5)  # a tw.remote task's result waits in Ray's object store
+    expected = digest({"w": torch.full((2 << 20,), 5, dtype=torch.uint8)})
+    assert ray.get(consumer.digest.remote({"w": staged})) == expected
 
 
 def test_thousand_tensor_state_dict(producer, consumer):

@@ -154,6 +154,20 @@ def test_plain_lists_are_copied_whole_and_tensors_among_plain_items_still_found(
     assert loaded["ids"] == list(range(100_000)) and loaded["mixed"][2].index == 0
 
 
+def test_a_plain_skeleton_skips_the_hidden_tensor_pickler(monkeypatch):
+    from tensorwire.runtime import values
+
+    class Refusing:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("the checking pickler ran")
+
+    monkeypatch.setattr(values, "_SkeletonPickler", Refusing)
+    skeleton, _, _ = flatten({"ids": [1, 2, 3], "w": torch.ones(2), "meta": ("a", None)})
+    assert pickle.loads(dumps_skeleton(skeleton))["ids"] == [1, 2, 3]
+    with pytest.raises(TypeError, match="checking pickler ran"):
+        dumps_skeleton(flatten({"odd": {1, 2}})[0])  # a set is not plain: it goes through the check
+
+
 def test_a_plain_looking_value_with_an_object_in_it_is_still_checked_for_hidden_tensors():
     class Holder:
         def __init__(self) -> None:
