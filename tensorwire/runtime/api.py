@@ -290,6 +290,7 @@ def _get_one(
             dst.append(buffer if usable else None)
     targets = _targets(desc.metas, device)
     lease = fill_from_pool(agent.host_pool, desc.metas, desc.packed_nbytes, dst, targets) if pooled and dst else None
+    failed = True  # a transport that failed may still be writing into the lease: never reuse it then
     try:
         tensors, record = agent.fetch(
             desc,
@@ -300,12 +301,10 @@ def _get_one(
             view=dst is None,
             timeout_s=timeout_s,
         )
-    except BaseException:
-        if lease is not None:
-            lease.discard()  # a transfer may still be writing into it
-        raise
-    if lease is not None and record.failed_attempts:
-        lease.discard()  # so might a transport that failed before this one succeeded
+        failed = bool(record.failed_attempts)
+    finally:
+        if lease is not None and failed:
+            lease.discard()
     ref.mark_moved(record.transport)
     return _place(skeleton, tensors, desc.metas, targets, (outs, out_tensors))
 
