@@ -76,7 +76,8 @@ _CMA_ABORT = (
         "gloo",
         "ucx",  # UCX's own shared memory without cma (tensorwire's default): cma aborted the consumer
         "ucx-tcp",
-        pytest.param("ucx-cma", marks=pytest.mark.xfail(strict=True, raises=EOFError, reason=_CMA_ABORT)),
+        # not strict: a kill that lands between two cma reads does not abort (seen once, under load)
+        pytest.param("ucx-cma", marks=pytest.mark.xfail(strict=False, raises=EOFError, reason=_CMA_ABORT)),
     ],
 )
 def test_producer_killed_mid_transfer(variant):
