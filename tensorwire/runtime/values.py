@@ -165,6 +165,11 @@ DESCEND = object()  # returned by a ``transform`` leaf function: "not a leaf, wa
 _ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # never leaves
 
 
+def _only_atoms(items: Any) -> bool:
+    """Whether every item of ``items`` is a number, string, bytes or None (one C-level pass)."""
+    return set(map(type, items)) <= _ATOMS
+
+
 def transform(value: Any, leaf: Callable[[Any, str], Any], path: str = "", _active: set[int] | None = None) -> Any:
     """``value`` rebuilt with ``leaf(item, path)`` for every item where it does not return
     :data:`DESCEND`; walked containers are rebuilt around the results.
@@ -183,7 +188,7 @@ def transform(value: Any, leaf: Callable[[Any, str], Any], path: str = "", _acti
     result = leaf(value, path)
     if result is not DESCEND:
         return result
-    if type(value) in (list, tuple) and set(map(type, value)) <= _ATOMS:
+    if type(value) in (list, tuple) and _only_atoms(value):
         return value.copy() if type(value) is list else value
     active = _active if _active is not None else set()
     if id(value) in active:
@@ -315,9 +320,9 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
     if depth > 32:
         return False
     if kind is dict:
-        return set(map(type, value)) <= _ATOMS and all(_is_plain(v, depth + 1) for v in value.values())
+        return _only_atoms(value) and all(_is_plain(v, depth + 1) for v in value.values())
     if kind is list or kind is tuple:
-        return set(map(type, value)) <= _ATOMS or all(_is_plain(v, depth + 1) for v in value)
+        return _only_atoms(value) or all(_is_plain(v, depth + 1) for v in value)
     return False
 
 
