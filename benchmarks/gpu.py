@@ -89,7 +89,7 @@ def main() -> int:
     if importlib.util.find_spec("ucxx") is not None:
         methods.append("ucx")
     methods.append("host (staged, <= 256 MiB)")
-    producer = Worker()
+    producer = Worker(start_method="spawn")  # as verified on the H200: a fresh interpreter
     rows: dict[str, dict[int, float]] = {m: {} for m in methods}
     reasons: dict[int, str] = {}
     try:

@@ -113,10 +113,16 @@ def run_doctor(env: dict[str, str] | None = None) -> tuple[int, list[dict[str, s
     return done.returncode, json.loads(done.stdout)
 
 
-def test_doctor_checks_every_transport_with_a_real_transfer():
+@pytest.fixture(scope="module")
+def doctor_json() -> subprocess.CompletedProcess:
+    """One ``doctor --json --progress`` run, shared by the tests that read it."""
+    return _doctor_process("--progress")
+
+
+def test_doctor_checks_every_transport_with_a_real_transfer(doctor_json):
     from tensorwire.transport import registry
 
-    done = _doctor_process("--progress")
+    done = doctor_json
     code, results = done.returncode, json.loads(done.stdout)  # the progress bar kept out of the JSON
     assert code == 0, results
     count = len(registry.registered_transports())
@@ -165,11 +171,11 @@ def test_doctor_reports_a_broken_transport_and_fails():
     assert "TENSORWIRE_INLINE_NBYTES" in failed[0]["detail"]
 
 
-def test_doctor_text_output_is_one_line_per_check():
+def test_doctor_text_output_is_one_line_per_check(doctor_json):
     done = subprocess.run([sys.executable, "-m", "tensorwire", "doctor"], capture_output=True, text=True, timeout=180,
                           env=dict(os.environ), check=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    _, results = run_doctor()  # the same checks as JSON: one aligned line each, in the same order
+    results = json.loads(doctor_json.stdout)  # the same checks as JSON: one aligned line each, in the same order
     assert done.stdout.splitlines() == [f"{r['status'].upper():5} {r['check']:20} {r['detail']}" for r in results]
     assert f"OK    {'transport shm':20} same node, 1024 KiB" in done.stdout.splitlines()
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def producer():
-    w = Worker()
+    w = Worker(start_method="spawn")  # as verified on the H200: a fresh interpreter
     yield w
     w.close()
 
@@ -48,7 +48,7 @@ def test_cuda_ipc_into_existing_gpu_buffers(producer):
 
 def test_cuda_ipc_zero_copy_view_shares_the_producers_memory(producer):
     ref = producer.call("tests.helpers.gpu_tasks:put_cuda_filled", 1 << 20, fill=5)
-    consumer = Worker()
+    consumer = Worker(start_method="spawn")
     try:
         seen = consumer.call("tests.helpers.gpu_tasks:get_view_and_write", ref)
         assert seen == {"zero_copy": True, "first": 5, "device": "cuda:0"}
@@ -66,7 +66,7 @@ def test_stream_ordering_producer_kernel_still_running(producer):
 
 def test_cuda_value_to_a_process_without_gpu_lands_on_cpu(producer):
     ref, expected = producer.call("tests.helpers.gpu_tasks:put_cuda_state", seed=3)
-    cpu_only = Worker(env={"CUDA_VISIBLE_DEVICES": ""})
+    cpu_only = Worker(env={"CUDA_VISIBLE_DEVICES": ""}, start_method="spawn")
     try:
         got = cpu_only.call("tests.helpers.gpu_tasks:get_on_device", ref, transport="host")
         assert got == {"digest": expected, "transport": "host", "devices": ["cpu"]}

@@ -1,17 +1,26 @@
-"""Spawned worker processes for multi-process tests.
+"""Worker processes for multi-process tests.
 
-A :class:`Worker` runs functions from importable modules in a fresh ``spawn`` process and
-returns their results; an exception in the child is re-raised in the parent with the
-child's traceback. Every call has a timeout.
+A :class:`Worker` runs functions from importable modules in a fresh process and returns their
+results; an exception in the child is re-raised in the parent with the child's traceback.
+Every call has a timeout.
+
+Workers are forked from a ``forkserver`` that imported torch, numpy and grpc once (a fresh
+interpreter spends seconds importing them on the 2-core VM; the suite starts hundreds of
+workers). Each one still gets the parent's environment as it is when the worker starts, and
+ends as an interpreter does (non-daemon threads joined, then ``atexit``: the agent closes).
+Tests of how a real interpreter exits use ``start_method="spawn"``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import multiprocessing as mp
 import os
 import pickle
+import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -25,8 +34,23 @@ class ChildError(Exception):
         self.exc_type = exc_type
 
 
-def _serve(conn: Any, env: dict[str, str]) -> None:
+PRELOADED = ["torch", "numpy", "grpc"]  # imported once by the forkserver; nothing else
+
+
+def _serve(conn: Any, env: dict[str, str], forked: bool) -> None:
+    os.environ.clear()  # the forkserver's environment is the parent's of long ago
     os.environ.update(env)
+    if forked and "OMP_NUM_THREADS" in env and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))  # OpenMP read it at import
+    try:
+        _answer_calls(conn)
+    finally:
+        if forked:  # a forked child ends with os._exit: end as an interpreter does instead
+            threading._shutdown()  # type: ignore[attr-defined]
+            atexit._run_exitfuncs()
+
+
+def _answer_calls(conn: Any) -> None:
     while True:
         try:
             message = conn.recv()
@@ -50,13 +74,24 @@ def _run(target: str, payload: bytes) -> bytes:
     return pickle.dumps(fn(*args, **kwargs))
 
 
-class Worker:
-    """One spawned process that runs ``module:function`` calls sent to it."""
+def _context(start_method: str) -> Any:
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOADED)  # (read when the server starts: the first worker)
+    return ctx
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        ctx = mp.get_context("spawn")
+
+class Worker:
+    """One process that runs ``module:function`` calls sent to it; ``env`` is added to this
+    process's environment for it."""
+
+    def __init__(self, env: dict[str, str] | None = None, *, start_method: str = "forkserver") -> None:
+        if start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"start_method must be 'forkserver' or 'spawn', not {start_method!r}")
+        ctx = _context(start_method)
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, dict(env or {})), daemon=True)
+        args = (child, {**os.environ, **(env or {})}, start_method == "forkserver")
+        self.process = ctx.Process(target=_serve, args=args, daemon=True)
         self.process.start()
         child.close()
 

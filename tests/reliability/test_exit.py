@@ -40,7 +40,8 @@ def test_start_transfer_exit_cycles_each_exit_promptly(cycles):
         cross = cycle % 2 == 1
         transports = _usable(CROSS_NODE if cross else SAME_NODE)
         env = {"TENSORWIRE_NODE_ID": f"exit-b-{cycle}"} if cross else {}
-        producer, consumer = Worker({"TENSORWIRE_NODE_ID": f"exit-a-{cycle}"} if cross else {}), Worker(env)
+        producer = Worker({"TENSORWIRE_NODE_ID": f"exit-a-{cycle}"} if cross else {}, start_method="spawn")
+        consumer = Worker(env, start_method="spawn")  # a real interpreter exit, not a forked child's
         try:
             ref = producer.call("tests.helpers.tasks:put_value", value)
             for transport in transports:

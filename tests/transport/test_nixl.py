@@ -231,8 +231,8 @@ def test_tensorwire_collective_backend_reads_over_nixl_across_nodes():
 
 @pytest.mark.parametrize("other_node", [False, True], ids=["same-node", "other-node"])
 def test_processes_that_used_nixl_exit_by_themselves_promptly(other_node):
-    producer = Worker(env=NODE_A if other_node else {})
-    consumer = Worker(env=NODE_B if other_node else {})
+    producer = Worker(env=NODE_A if other_node else {}, start_method="spawn")  # a real interpreter exit
+    consumer = Worker(env=NODE_B if other_node else {}, start_method="spawn")
     try:
         ref = producer.call(f"{T}:put_kept", "exit", MIB, 8)
         expected = producer.call(f"{T}:kept_digest", "exit")
