@@ -103,18 +103,18 @@ def agent():
 
 
 @pytest.fixture
-def worker():
-    """A spawned worker process (closed after the test)."""
+def worker(request: pytest.FixtureRequest):
+    """A worker process (closed after the test); a ``spawn`` one for ``gpu`` tests."""
     from tests.helpers.procs import Worker
 
-    w = Worker()
+    w = Worker(start_method="spawn" if request.node.get_closest_marker("gpu") else "forkserver")
     yield w
     w.close()
 
 
 @pytest.fixture
 def remote_worker():
-    """A spawned worker that claims another node (``TENSORWIRE_NODE_ID``): cross-node paths."""
+    """A worker that claims another node (``TENSORWIRE_NODE_ID``): cross-node paths."""
     from tests.helpers.procs import Worker
 
     w = Worker(env={"TENSORWIRE_NODE_ID": "test-node-b"})

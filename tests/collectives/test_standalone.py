@@ -14,8 +14,10 @@ DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture
-def workers():
-    started = [Worker(env={"TENSORWIRE_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1"}) for _ in range(3)]
+def workers(request: pytest.FixtureRequest):
+    method = "spawn" if request.node.get_closest_marker("gpu") else "forkserver"
+    started = [Worker(env={"TENSORWIRE_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1"}, start_method=method)
+               for _ in range(3)]  # fmt: skip
     yield started
     for worker in started:
         worker.close()

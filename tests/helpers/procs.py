@@ -4,11 +4,14 @@ A :class:`Worker` runs functions from importable modules in a fresh process and 
 results; an exception in the child is re-raised in the parent with the child's traceback.
 Every call has a timeout.
 
-Workers are forked from a ``forkserver`` that imported torch, numpy and grpc once (a fresh
-interpreter spends seconds importing them on the 2-core VM; the suite starts hundreds of
-workers). Each one still gets the parent's environment as it is when the worker starts, and
-ends as an interpreter does (non-daemon threads joined, then ``atexit``: the agent closes).
-Tests of how a real interpreter exits use ``start_method="spawn"``.
+Workers fork from a ``forkserver``: a fresh, single-threaded interpreter (started like a
+``spawn`` child, so nothing of the test process, its threads or its gRPC state, is copied) that
+imported torch, numpy and grpc once. A fresh interpreter spends seconds importing them on the
+2-core VM, and the suite starts a worker or more in most of its multi-process tests. Each worker still gets the parent's
+environment as it is when the worker starts. It ends as an interpreter's exit begins:
+non-daemon threads joined, then the ``atexit`` handlers (the agent closes); a forked child skips
+the rest of finalization (C++ static destructors, the final garbage collection). Tests of how a
+real interpreter exits, and the GPU tests, use ``start_method="spawn"``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Literal
+
+StartMethod = Literal["forkserver", "spawn"]
 
 
 class ChildError(Exception):
@@ -34,20 +39,22 @@ class ChildError(Exception):
         self.exc_type = exc_type
 
 
-PRELOADED = ["torch", "numpy", "grpc"]  # imported once by the forkserver; nothing else
+PRELOADED = ["torch", "numpy", "grpc"]  # imported once by the forkserver (none starts a server at
+# import; the one thread, numpy's OpenBLAS pool, OpenBLAS itself remakes after a fork)
 
 
 def _serve(conn: Any, env: dict[str, str], forked: bool) -> None:
     os.environ.clear()  # the forkserver's environment is the parent's of long ago
     os.environ.update(env)
-    if forked and "OMP_NUM_THREADS" in env and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))  # OpenMP read it at import
+    threads = env.get("OMP_NUM_THREADS", "")
+    if forked and threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))  # OpenMP read the forkserver's at import
     try:
         _answer_calls(conn)
     finally:
-        if forked:  # a forked child ends with os._exit: end as an interpreter does instead
-            threading._shutdown()  # type: ignore[attr-defined]
-            atexit._run_exitfuncs()
+        if forked:  # a forked child ends with os._exit: begin an interpreter's exit first
+            threading._shutdown()  # type: ignore[attr-defined]  # (CPython's own step: joins non-daemon threads)
+            atexit._run_exitfuncs()  # (private too; runs and clears them, as Py_Finalize would)
 
 
 def _answer_calls(conn: Any) -> None:
@@ -74,7 +81,7 @@ def _run(target: str, payload: bytes) -> bytes:
     return pickle.dumps(fn(*args, **kwargs))
 
 
-def _context(start_method: str) -> Any:
+def _context(start_method: StartMethod) -> Any:
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(PRELOADED)  # (read when the server starts: the first worker)
@@ -85,7 +92,7 @@ class Worker:
     """One process that runs ``module:function`` calls sent to it; ``env`` is added to this
     process's environment for it."""
 
-    def __init__(self, env: dict[str, str] | None = None, *, start_method: str = "forkserver") -> None:
+    def __init__(self, env: dict[str, str] | None = None, *, start_method: StartMethod = "forkserver") -> None:
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', not {start_method!r}")
         ctx = _context(start_method)
