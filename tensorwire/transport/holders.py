@@ -85,6 +85,7 @@ class Holders:
         self._early_unpins: dict[bytes, float] = {}
         self._holder_peers: dict[str, PeerInfo] = {}
         self._holder_seen: dict[str, float] = {}
+        self._holder_seq: dict[str, int] = {}  # sender -> number of its last batch applied
         self._held: dict[bytes, _Held] = {}
         self._outbox = client.outbox()
         self._reaper = threading.Thread(target=self._reap_loop, name="tensorwire-reaper", daemon=True)
@@ -189,14 +190,24 @@ class Holders:
 
     # ------------------------------------------------------------------ owner side
 
-    def receive(self, sender: PeerInfo, ops: Any) -> tuple[int, int]:
-        """Owner: apply a batch of ``sender``'s holder operations; (applied, rejected)."""
+    def receive(self, sender: PeerInfo, ops: Any, seq: int = 0) -> tuple[int, int]:
+        """Owner: apply a batch of ``sender``'s holder operations; (applied, rejected).
+
+        ``seq`` numbers the sender's batches to this owner (0: unnumbered, always applied). A
+        batch whose number is not above the last one applied is dropped: it is a retry of one
+        that arrived, or a call that timed out at the sender and arrives late, after later
+        batches (under load it could re-register a holder after its release).
+        """
         now = time.monotonic()
         applied = rejected = 0
         touched: list[Entry] = []
         with self._lock:
             self._holder_peers[sender.agent_id] = sender
             self._holder_seen[sender.agent_id] = now
+            if seq:
+                if seq <= self._holder_seq.get(sender.agent_id, 0):
+                    return 0, 0
+                self._holder_seq[sender.agent_id] = seq
             for op in ops:
                 entry = self._store.get(op.object_id)
                 if (
@@ -247,6 +258,8 @@ class Holders:
             for agent_id in dead | (set(self._holder_peers) - holding):  # exited, or holds nothing now
                 self._holder_peers.pop(agent_id, None)
                 self._holder_seen.pop(agent_id, None)
+            for agent_id in dead:  # (a live sender keeps its number: a late batch may still come)
+                self._holder_seq.pop(agent_id, None)
             for entry in entries:
                 expired = [p for p, expiry in entry.pins.items() if expiry <= now]
                 for pin_id in expired:

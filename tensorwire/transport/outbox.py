@@ -53,6 +53,7 @@ class Outbox:
         self._rpc_timeout_s = rpc_timeout_s
         self._queue: queue.Queue[tuple[PeerInfo, Any] | None] = queue.Queue()
         self._pending = 0
+        self._seq: dict[str, int] = {}  # owner agent id -> number of its last batch (only the sender thread)
         self._idle = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="tensorwire-holders", daemon=True)
         self._thread.start()
@@ -116,27 +117,31 @@ class Outbox:
         holder check.
         """
         sender = self._sender()
+        numbered = []
+        for owner, ops in batches:  # a retry keeps its number: the owner applies each number once, in order
+            self._seq[owner.agent_id] = self._seq.get(owner.agent_id, 0) + 1
+            numbered.append((owner, ops, self._seq[owner.agent_id]))
         for attempt in range(3):
             timeout_s = min(self._rpc_timeout_s, 2.0 * (attempt + 1))
             calls = [
-                (owner, ops, self._client.call_async(
-                    self._address(owner), "Holders", messages["HolderBatch"](sender=sender, ops=ops), "HolderReply",
-                    timeout_s=timeout_s,
+                (owner, ops, seq, self._client.call_async(
+                    self._address(owner), "Holders", messages["HolderBatch"](sender=sender, ops=ops, seq=seq),
+                    "HolderReply", timeout_s=timeout_s,
                 ))
-                for owner, ops in batches
+                for owner, ops, seq in numbered
             ]  # fmt: skip
             retry = []
-            for owner, ops, call in calls:
+            for owner, ops, seq, call in calls:
                 try:
                     call.result()
                 except grpc.RpcError as e:
                     if self._may_be_alive(owner) and e.code() != grpc.StatusCode.UNAUTHENTICATED:
-                        retry.append((owner, ops))
+                        retry.append((owner, ops, seq))
                     else:
                         logger.debug("dropping %d holder messages for %s: %s", len(ops), owner.agent_id, e.code())
             if not retry:
                 return
-            batches = retry
+            numbered = retry
             time.sleep(0.05 * (attempt + 1))
-        for owner, ops in batches:
+        for owner, ops, _ in numbered:
             logger.warning("could not deliver %d holder messages to agent %s", len(ops), owner.agent_id)

@@ -108,7 +108,7 @@ class ControlService:
         return messages["StatusReply"](state=int(ObjectState.FREED))
 
     def handle_holders(self, request: Any) -> Any:
-        applied, rejected = self._holders.receive(decode_peer(request.sender), request.ops)
+        applied, rejected = self._holders.receive(decode_peer(request.sender), request.ops, request.seq)
         return messages["HolderReply"](applied=applied, rejected=rejected)
 
     def handle_export(self, request: Any) -> Any:

@@ -20,7 +20,7 @@ Equivalent ``.proto``::
     message ObjectRequest { bytes object_id = 1; bytes token = 2; }
     message StatusReply { int32 state = 1; }            // ObjectState
     message HolderOp { int32 kind = 1; bytes object_id = 2; bytes token = 3; bytes pin_id = 4; }
-    message HolderBatch { Peer sender = 1; repeated HolderOp ops = 2; }
+    message HolderBatch { Peer sender = 1; repeated HolderOp ops = 2; int64 seq = 3; }  // seq: per sender and owner
     message HolderReply { int32 applied = 1; int32 rejected = 2; }
     message ExportReply { bytes handle = 1; }
     message TransferRequest { bytes object_id = 1; bytes token = 2; string transport = 3;
@@ -85,7 +85,7 @@ _SCHEMA: dict[str, list[tuple[str, str, bool]]] = {
     "StatusReply": [("state", "int32", False)],
     "HolderOp": [("kind", "int32", False), ("object_id", "bytes", False), ("token", "bytes", False),
                  ("pin_id", "bytes", False)],
-    "HolderBatch": [("sender", "Peer", False), ("ops", "HolderOp", True)],
+    "HolderBatch": [("sender", "Peer", False), ("ops", "HolderOp", True), ("seq", "int64", False)],
     "HolderReply": [("applied", "int32", False), ("rejected", "int32", False)],
     "ExportReply": [("handle", "bytes", False)],
     "TransferRequest": [("object_id", "bytes", False), ("token", "bytes", False), ("transport", "string", False),

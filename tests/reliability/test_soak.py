@@ -7,7 +7,9 @@ segments are sampled after every round. The default suite runs 45 s; the slow on
 Memory is "flat" when the second half of the run peaks no higher than the first half (after two
 warm-up rounds) plus a margin: the allocators of torch, gRPC and glibc keep a few hundred MiB
 of caches that fill during the first rounds (seen here: a plateau after about 5 rounds), but
-nothing may grow with the traffic.
+nothing may grow with the traffic. The workers fix glibc's mmap threshold first
+(``tests/helpers/soak.py: fix_mmap_threshold``): with glibc's moving threshold, random sizes
+fragment the heap and RSS creeps up with the rounds whatever tensorwire does.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def soak(duration_s: float, *, peers: int = 4, per_round: int = 3, max_nbytes: i
     workers = [Worker() for _ in range(peers)]
     segments_before = segment_count()
     try:
+        assert all(w.call("tests.helpers.soak:fix_mmap_threshold", 128 << 10) == 1 for w in workers)
         rounds = wrong = payloads = 0
         samples: list[list[dict]] = []
         start = time.monotonic()

@@ -175,3 +175,36 @@ def test_handler_errors_cross_the_wire_as_the_same_tensorwire_class(agent):
     assert type(mapped) is InvalidRequestError and isinstance(mapped, TransportError)
     assert "malformed transfer parameters (5 bytes, expected 28)" in str(mapped)
     assert tw.get(ref).sum() == sum(range(100_000))  # the object and the agent are fine
+
+
+def test_a_late_or_repeated_holder_batch_is_dropped(agent):
+    """A batch that timed out at its sender is retried under the same number, and the first
+    call may still arrive, late, after the sender's later batches (seen under load: it
+    registered a holder again after its release, and the object was never freed)."""
+    import torch
+
+    import tensorwire as tw
+    from tensorwire.transport.wire import HolderOpKind
+
+    ref = tw.put(torch.arange(1000))
+    object_id, token = ref._desc.object_id, ref._desc.token
+    me = agent.peer
+    sender = messages["Peer"](agent_id="late-sender", node_id=me.node_id, machine_id=me.machine_id,
+                              hostname=me.hostname, pid=os.getpid(), start_time=me.start_time)  # fmt: skip
+
+    def batch(kind: HolderOpKind, seq: int) -> tuple[int, int]:
+        op = messages["HolderOp"](kind=int(kind), object_id=object_id, token=token)
+        data = messages["HolderBatch"](sender=sender, ops=[op], seq=seq).SerializeToString()
+        reply = messages["HolderReply"].FromString(_raw_call(me.unix_address, "Holders", data, cluster_token()))
+        return reply.applied, reply.rejected
+
+    entry = agent._store.get(object_id)
+    assert batch(HolderOpKind.REGISTER, 1) == (1, 0) and "late-sender" in entry.holders
+    assert batch(HolderOpKind.REGISTER, 1) == (0, 0)  # a retry of a batch that did arrive
+    assert batch(HolderOpKind.RELEASE, 2) == (1, 0) and "late-sender" not in entry.holders
+    assert batch(HolderOpKind.REGISTER, 1) == (0, 0)  # the first call, arriving last
+    assert "late-sender" not in entry.holders
+    assert batch(HolderOpKind.REGISTER, 0) == (1, 0) and "late-sender" in entry.holders  # unnumbered: applied
+    assert batch(HolderOpKind.RELEASE, 0) == (1, 0)
+    del ref
+    assert agent._store.get(object_id) is None  # freed: nobody holds it
