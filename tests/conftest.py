@@ -105,9 +105,9 @@ def agent():
 @pytest.fixture
 def worker(request: pytest.FixtureRequest):
     """A worker process (closed after the test); a ``spawn`` one for ``gpu`` tests."""
-    from tests.helpers.procs import Worker
+    from tests.helpers.procs import Worker, start_method_for
 
-    w = Worker(start_method="spawn" if request.node.get_closest_marker("gpu") else "forkserver")
+    w = Worker(start_method=start_method_for(request.node))
     yield w
     w.close()
 

@@ -8,16 +8,15 @@ import pytest
 from tensorwire.collectives.layout import Box, HeldParam
 from tensorwire.collectives.plan import plan_sync
 from tensorwire.collectives.sync_hooks import PushSpec, assign_roles
-from tests.helpers.procs import Worker
+from tests.helpers.procs import Worker, start_method_for
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture
 def workers(request: pytest.FixtureRequest):
-    method = "spawn" if request.node.get_closest_marker("gpu") else "forkserver"
-    started = [Worker(env={"TENSORWIRE_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1"}, start_method=method)
-               for _ in range(3)]  # fmt: skip
+    env = {"TENSORWIRE_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+    started = [Worker(env=env, start_method=start_method_for(request.node)) for _ in range(3)]
     yield started
     for worker in started:
         worker.close()

@@ -7,8 +7,9 @@ Every call has a timeout.
 Workers fork from a ``forkserver``: a fresh, single-threaded interpreter (started like a
 ``spawn`` child, so nothing of the test process, its threads or its gRPC state, is copied) that
 imported torch, numpy and grpc once. A fresh interpreter spends seconds importing them on the
-2-core VM, and the suite starts a worker or more in most of its multi-process tests. Each worker still gets the parent's
-environment as it is when the worker starts. It ends as an interpreter's exit begins:
+2-core VM, and the suite starts a worker or more in most of its multi-process tests. Each
+worker still gets the parent's environment as it is when the worker starts. It ends as an
+interpreter's exit begins:
 non-daemon threads joined, then the ``atexit`` handlers (the agent closes); a forked child skips
 the rest of finalization (C++ static destructors, the final garbage collection). Tests of how a
 real interpreter exits, and the GPU tests, use ``start_method="spawn"``.
@@ -79,6 +80,12 @@ def _run(target: str, payload: bytes) -> bytes:
     fn = getattr(importlib.import_module(module_name), fn_name)
     args, kwargs = pickle.loads(payload)
     return pickle.dumps(fn(*args, **kwargs))
+
+
+def start_method_for(node: Any) -> StartMethod:
+    """The start method for the workers of pytest item ``node``: ``spawn`` for a ``gpu`` test
+    (a fresh interpreter, as verified on the H200), else ``forkserver``."""
+    return "spawn" if node.get_closest_marker("gpu") else "forkserver"
 
 
 def _context(start_method: StartMethod) -> Any:
