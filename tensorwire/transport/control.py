@@ -66,6 +66,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
+# A client channel has its own connections: channels to one address share them otherwise, and
+# the new channel ``drop`` leads to would inherit the failed connection's reconnect back-off.
+_CLIENT_CHANNEL_OPTIONS = [*_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 
 
 def socket_dir() -> str:
@@ -290,20 +293,22 @@ class ControlClient:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                channel = grpc.insecure_channel(address, options=_CLIENT_CHANNEL_OPTIONS)
                 self._channels[address] = channel
             return channel
 
     def drop(self, address: str) -> None:
-        """Forget the channel to ``address`` (after its peer was lost)."""
+        """Forget the channel to ``address`` (after a lost connection): the next call connects
+        afresh. The channel is not closed: closing cancels every call still on it, and other
+        threads' fetches and holder messages to the same peer would end ``CANCELLED`` (seen
+        under load). Those calls end on their own, by answer or deadline, and the channel is
+        freed with the last of them."""
         with self._lock:
-            channel = self._channels.pop(address, None)
-        if channel is not None:
-            channel.close()
+            self._channels.pop(address, None)
 
     def _invoke(self, address: str, start: Callable[[grpc.Channel], Any]) -> Any:
-        """``start(channel)``; if another thread closed that channel meanwhile (``drop`` after a
-        lost connection), once more on a fresh one."""
+        """``start(channel)``; if :meth:`close` closed that channel meanwhile (another thread),
+        once more on a fresh one."""
         channel = self._channel(address)
         try:
             return start(channel)

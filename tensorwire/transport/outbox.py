@@ -1,9 +1,12 @@
 """The holder outbox: holder operations sent to owners in order, batched, in the background.
 
-One thread per process drains the queue: operations that arrive together are grouped by owner
-and sent as one ``Holders`` call per owner, all owners at once. Order per owner is kept
-(``PIN`` before the sender's own ``RELEASE``), which the holder protocol relies on. A fetch
-never waits for these messages.
+One thread per process sends them. Operations that arrive together are grouped by owner and
+sent as one numbered ``Holders`` call per owner, all owners at once. Per owner one batch is on
+its way at a time, and what arrives meanwhile waits for its answer: order per owner is kept
+(``PIN`` before the sender's own ``RELEASE``), which the holder protocol relies on. A batch
+that gets no answer is sent again under its number after a growing pause, while other owners'
+batches go on; the owner applies each number once, so a late first call and its retry count
+once. A fetch never waits for these messages.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -25,6 +29,27 @@ __all__ = ["Outbox"]
 
 logger = logging.getLogger(__name__)
 
+_MAX_PAUSE_S = 2.0  # longest pause between two tries of one batch
+
+
+@dataclass
+class _Lane:
+    """What is on its way to one owner (only the sender thread touches it)."""
+
+    owner: PeerInfo
+    waiting: list[Any] = field(default_factory=list)  # operations not in a batch yet
+    batch: list[Any] = field(default_factory=list)  # the numbered batch not yet answered
+    seq: int = 0  # the number of the last batch made
+    in_flight: bool = False
+    tries: int = 0
+    retry_at: float = 0.0
+    silent_since: float | None = None  # first unanswered try of this batch
+
+    def due(self, now: float) -> bool:
+        if self.in_flight:
+            return False
+        return (bool(self.batch) and now >= self.retry_at) or (not self.batch and bool(self.waiting))
+
 
 class Outbox:
     """Queue and sender of holder operations (used by the agent; thread-safe).
@@ -34,6 +59,7 @@ class Outbox:
         sender: Called for the ``Peer`` message of this process (encoded once per batch).
         address: The address to reach an owner at.
         may_be_alive: Whether an owner may still run (exited owners need no messages).
+        retry_for_s: How long to keep trying an owner that may be alive but does not answer.
         rpc_timeout_s: Upper bound of one ``Holders`` call.
     """
 
@@ -44,16 +70,19 @@ class Outbox:
         sender: Callable[[], Any],
         address: Callable[[PeerInfo], str],
         may_be_alive: Callable[[PeerInfo], bool],
+        retry_for_s: Callable[[PeerInfo], float],
         rpc_timeout_s: float,
     ) -> None:
         self._client = client
         self._sender = sender
         self._address = address
         self._may_be_alive = may_be_alive
+        self._retry_for_s = retry_for_s
         self._rpc_timeout_s = rpc_timeout_s
-        self._queue: queue.Queue[tuple[PeerInfo, Any] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._lanes: dict[str, _Lane] = {}  # owner agent id -> its lane
         self._pending = 0
-        self._seq: dict[str, int] = {}  # owner agent id -> number of its last batch (only the sender thread)
+        self._closed = False
         self._idle = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="tensorwire-holders", daemon=True)
         self._thread.start()
@@ -62,11 +91,13 @@ class Outbox:
         """Queue one operation for ``owner``; returns at once."""
         op = messages["HolderOp"](kind=int(kind), object_id=object_id, token=token, pin_id=pin_id)
         with self._idle:
+            if self._closed:
+                return
             self._pending += 1
-        self._queue.put((owner, op))
+            self._queue.put(("op", owner, op))
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every queued operation was sent (or given up); False on timeout."""
+        """Wait until every queued operation was delivered (or given up); False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._idle:
             while self._pending > 0:
@@ -77,71 +108,111 @@ class Outbox:
         return True
 
     def close(self) -> None:
-        """Stop the sender thread after what is queued now."""
-        self._queue.put(None)
+        """Stop the sender thread; what is not delivered then is given up (callers flush first)."""
+        with self._idle:
+            self._closed = True
+            self._queue.put(None)
+
+    # ------------------------------------------------------------------ the sender thread
 
     def _loop(self) -> None:
-        stopping = False
-        while not stopping:
-            item = self._queue.get()
-            if item is None:
-                return
-            batch = [item]
-            time.sleep(0.001)  # let a burst of references collect into one message
-            while True:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
+        while True:
+            stopping = False
+            for item in self._next_items():
+                if item is None:
                     stopping = True
-                    break
-                batch.append(more)
-            by_owner: dict[str, tuple[PeerInfo, list[Any]]] = {}
-            for owner, op in batch:
-                by_owner.setdefault(owner.agent_id, (owner, []))[1].append(op)
-            try:
-                self._deliver(list(by_owner.values()))
-            except Exception:
-                logger.warning("sending %d holder messages failed", len(batch), exc_info=True)
-            finally:
-                with self._idle:
-                    self._pending -= len(batch)
-                    self._idle.notify_all()
-
-    def _deliver(self, batches: list[tuple[PeerInfo, list[Any]]]) -> None:
-        """Send each owner its operations, all owners at once; retry owners that may be alive.
-
-        An owner that has exited needs no message (its objects are gone); one that stays
-        unreachable is given up after three tries, and its holds expire by the owner's own
-        holder check.
-        """
-        sender = self._sender()
-        numbered = []
-        for owner, ops in batches:  # a retry keeps its number: the owner applies each number once, in order
-            self._seq[owner.agent_id] = self._seq.get(owner.agent_id, 0) + 1
-            numbered.append((owner, ops, self._seq[owner.agent_id]))
-        for attempt in range(3):
-            timeout_s = min(self._rpc_timeout_s, 2.0 * (attempt + 1))
-            calls = [
-                (owner, ops, seq, self._client.call_async(
-                    self._address(owner), "Holders", messages["HolderBatch"](sender=sender, ops=ops, seq=seq),
-                    "HolderReply", timeout_s=timeout_s,
-                ))
-                for owner, ops, seq in numbered
-            ]  # fmt: skip
-            retry = []
-            for owner, ops, seq, call in calls:
-                try:
-                    call.result()
-                except grpc.RpcError as e:
-                    if self._may_be_alive(owner) and e.code() != grpc.StatusCode.UNAUTHENTICATED:
-                        retry.append((owner, ops, seq))
-                    else:
-                        logger.debug("dropping %d holder messages for %s: %s", len(ops), owner.agent_id, e.code())
-            if not retry:
+                elif item[0] == "op":
+                    _, owner, op = item
+                    self._lanes.setdefault(owner.agent_id, _Lane(owner)).waiting.append(op)
+                else:
+                    self._answered(*item[1:])
+            if stopping:
+                self._give_up_all()
                 return
-            numbered = retry
-            time.sleep(0.05 * (attempt + 1))
-        for owner, ops, _ in numbered:
-            logger.warning("could not deliver %d holder messages to agent %s", len(ops), owner.agent_id)
+            now = time.monotonic()
+            for lane in [lane for lane in self._lanes.values() if lane.due(now)]:
+                self._start(lane)
+
+    def _next_items(self) -> list[tuple[Any, ...] | None]:
+        """Block until something arrives or a retry is due, then take the burst that came with it."""
+        now = time.monotonic()
+        retries = [lane.retry_at for lane in self._lanes.values() if lane.batch and not lane.in_flight]
+        try:
+            first = self._queue.get(timeout=max(0.0, min(retries) - now) if retries else None)
+        except queue.Empty:
+            return []
+        items = [first]
+        time.sleep(0.001)  # let a burst of references collect into one message
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _start(self, lane: _Lane) -> None:
+        if not lane.batch:
+            lane.seq += 1
+            lane.batch, lane.waiting, lane.tries = lane.waiting, [], 0
+        seq = lane.seq
+        lane.in_flight = True
+        agent_id = lane.owner.agent_id
+        timeout_s = min(self._rpc_timeout_s, 2.0 * (lane.tries + 1))
+        message = messages["HolderBatch"](sender=self._sender(), ops=lane.batch, seq=seq)
+        try:
+            call = self._client.call_async(
+                self._address(lane.owner), "Holders", message, "HolderReply", timeout_s=timeout_s
+            )
+        except (grpc.RpcError, ValueError) as e:  # could not even start: answered like a failed call
+            self._queue.put(("done", agent_id, seq, e))
+            return
+        call.add_done_callback(lambda done: self._queue.put(("done", agent_id, seq, _error_of(done))))
+
+    def _answered(self, agent_id: str, seq: int, error: BaseException | None) -> None:
+        lane = self._lanes.get(agent_id)
+        if lane is None or seq != lane.seq or not lane.in_flight:
+            return
+        lane.in_flight = False
+        if error is None:
+            delivered, lane.batch, lane.silent_since = len(lane.batch), [], None
+            self._done(delivered)
+            return
+        now = time.monotonic()
+        lane.silent_since = now if lane.silent_since is None else lane.silent_since
+        code = error.code() if isinstance(error, grpc.RpcError) else None
+        if not self._may_be_alive(lane.owner) or code == grpc.StatusCode.UNAUTHENTICATED:
+            logger.debug("dropping holder messages for %s: %s", agent_id, code)  # its objects are gone
+            self._drop(lane)
+        elif now - lane.silent_since >= self._retry_for_s(lane.owner):
+            logger.warning(
+                "could not deliver %d holder messages to agent %s: no answer for %.0f s (%s)",
+                len(lane.batch) + len(lane.waiting), agent_id, now - lane.silent_since, code or error,
+            )  # fmt: skip
+            self._drop(lane)
+        else:
+            lane.tries += 1
+            lane.retry_at = now + min(_MAX_PAUSE_S, 0.05 * 2**lane.tries)
+
+    def _drop(self, lane: _Lane) -> None:
+        """Give up what is on its way to this owner; its next batch gets a new number."""
+        given_up, lane.batch, lane.waiting, lane.silent_since = len(lane.batch) + len(lane.waiting), [], [], None
+        self._done(given_up)
+
+    def _give_up_all(self) -> None:
+        left = sum(len(lane.batch) + len(lane.waiting) for lane in self._lanes.values())
+        if left:
+            logger.debug("closing with %d holder messages not delivered", left)
+        for lane in self._lanes.values():
+            self._drop(lane)
+
+    def _done(self, count: int) -> None:
+        with self._idle:
+            self._pending -= count
+            self._idle.notify_all()
+
+
+def _error_of(call: Any) -> BaseException | None:
+    """The error a finished call ended with (a cancelled one raises on asking)."""
+    try:
+        return call.exception()
+    except grpc.FutureCancelledError as e:
+        return e

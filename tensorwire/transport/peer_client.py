@@ -10,6 +10,7 @@ call whose connection dropped is retried once on a new connection by one rule,
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,11 +51,18 @@ class PeerClient:
             sender=lambda: encode_peer(self._peer()),
             address=self.address,
             may_be_alive=self.may_be_alive,
+            retry_for_s=self._retry_holders_for_s,
             rpc_timeout_s=self._config().rpc_timeout_s,
         )
 
     def close(self) -> None:
         self._client.close()
+
+    def _retry_holders_for_s(self, owner: PeerInfo) -> float:
+        """How long holder messages to a silent owner are retried: on this machine while its
+        process runs (a paused owner gets them when it resumes); on another one until its holder
+        check has dropped this process's holds too (``holder_lost_after_s``)."""
+        return math.inf if owner.same_machine(self._peer()) else self._config().holder_lost_after_s
 
     # ------------------------------------------------------------------ reaching peers
 

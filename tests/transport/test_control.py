@@ -121,13 +121,13 @@ def test_transport_layer_never_unpickles():
 
 
 def test_call_on_a_channel_closed_by_another_thread_reconnects(agent):
-    """``drop`` (after a lost connection) may close a channel another thread is about to use."""
+    """``close`` may close a channel another thread is about to use."""
     from tensorwire.transport.control import ControlClient
 
     client = ControlClient(token=cluster_token())
     try:
         address = agent.peer.unix_address
-        client._channel(address).close()  # closed, but still cached, as in the race
+        client._channel(address).close()  # closed, but still in that thread's hands, as in the race
         reply = client.call(address, "Ping", messages["PingRequest"](), "PingReply", timeout_s=5)
         assert reply.peer.agent_id == agent.peer.agent_id
         client._channel(address).close()
@@ -208,3 +208,33 @@ def test_a_late_or_repeated_holder_batch_is_dropped(agent):
     assert batch(HolderOpKind.RELEASE, 0) == (1, 0)
     del ref
     assert agent._store.get(object_id) is None  # freed: nobody holds it
+
+
+def test_a_dropped_channel_leaves_the_calls_still_on_it_running(agent):
+    """A fetch whose connection dropped is retried on a new channel; the other fetches and
+    holder messages still running on the old one must finish (closing it cancelled them all:
+    ``CANCELLED`` seen under load)."""
+    import zlib
+
+    import torch
+
+    import tensorwire as tw
+    from tensorwire.transport.control import ControlClient
+
+    data = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
+    ref = tw.put(data)
+    request = messages["TransferRequest"](object_id=ref._desc.object_id, token=ref._desc.token, transport="host")
+    client = ControlClient(token=cluster_token())
+    try:
+        address = agent.peer.unix_address
+        stream = client.stream(address, request, timeout_s=30)
+        chunks = [next(stream)]
+        client.drop(address)  # as a retry on another thread does
+        reply = client.call(address, "Ping", messages["PingRequest"](), "PingReply", timeout_s=5)
+        chunks.extend(stream)
+    finally:
+        client.close()
+    assert reply.peer.agent_id == agent.peer.agent_id
+    assert len(chunks) > 1  # the drop came mid-stream
+    received = b"".join(chunks)
+    assert zlib.crc32(received) == zlib.crc32(data.numpy().tobytes())
