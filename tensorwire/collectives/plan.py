@@ -129,6 +129,7 @@ class Plan:
                     "map to it (overlap); fix the rename"
                 )
             self._sources[target] = name
+        self._cells: dict[tuple[str, Box], list[tuple[Box, list[_Holders]]]] = {}  # see _cells()
         self.loads = [0] * self.trainer_count  # bytes each trainer sends
         self.receivers: dict[int, list[Transfer]] = {}
 
@@ -277,25 +278,11 @@ class Plan:
             trainer = exact.least(loads)
             loads[trainer] += need.numel * itemsize
             return [(trainer, exact.box, exact.box)]
-        hits = [g for g in groups.values() if g.box.intersect(need) is not None]
-        whole = [g for g in hits if g.box.contains(need)]
-        if whole:
-            group, trainer = _least(whole, loads)
-            loads[trainer] += need.numel * itemsize
-            return [(trainer, need, group.box)]
-        cuts = []
-        for d, (start, size) in enumerate(zip(need.offsets, need.sizes, strict=True)):
-            points = {start, start + size}
-            for g in hits:
-                b = g.box
-                points.update(p for p in (b.offsets[d], b.offsets[d] + b.sizes[d]) if start < p < start + size)
-            cuts.append(list(itertools.pairwise(sorted(points))))
+        cells = self._cells.get((part, need))
+        if cells is None:  # receivers of one piece share its geometry; only the loads differ
+            cells = self._cells[(part, need)] = _cells(who, part, need, list(groups.values()))
         result = []
-        for intervals in itertools.product(*cuts):
-            cell = Box(tuple(a for a, _ in intervals), tuple(b - a for a, b in intervals))
-            candidates = [g for g in hits if g.box.contains(cell)]
-            if not candidates:
-                raise ValueError(f"{who}: no trainer holds {cell} of {part!r} (gap)")
+        for cell, candidates in cells:
             group, trainer = _least(candidates, loads)
             loads[trainer] += cell.numel * itemsize
             result.append((trainer, cell, group.box))
@@ -417,6 +404,30 @@ def _check_piece(who: object, held: HeldParam) -> None:
             f"{list(held.placements)} give on mesh {list(held.mesh_shape or ())} at {list(held.coordinate or ())}: "
             f"{given}"
         )
+
+
+def _cells(who: _Who, part: str, need: Box, groups: list[_Holders]) -> list[tuple[Box, list[_Holders]]]:
+    """``need`` cut at the edges of the trainers' boxes it overlaps: (cell, the groups holding
+    it whole); one cell when some trainers hold all of ``need``."""
+    hits = [g for g in groups if g.box.intersect(need) is not None]
+    whole = [g for g in hits if g.box.contains(need)]
+    if whole:
+        return [(need, whole)]
+    cuts = []
+    for d, (start, size) in enumerate(zip(need.offsets, need.sizes, strict=True)):
+        points = {start, start + size}
+        for g in hits:
+            b = g.box
+            points.update(p for p in (b.offsets[d], b.offsets[d] + b.sizes[d]) if start < p < start + size)
+        cuts.append(list(itertools.pairwise(sorted(points))))
+    cells = []
+    for intervals in itertools.product(*cuts):
+        cell = Box(tuple(a for a, _ in intervals), tuple(b - a for a, b in intervals))
+        candidates = [g for g in hits if g.box.contains(cell)]
+        if not candidates:
+            raise ValueError(f"{who}: no trainer holds {cell} of {part!r} (gap)")
+        cells.append((cell, candidates))
+    return cells
 
 
 def _least(groups: Sequence[_Holders], loads: list[int]) -> tuple[_Holders, int]:
