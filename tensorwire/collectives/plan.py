@@ -129,7 +129,7 @@ class Plan:
                     "map to it (overlap); fix the rename"
                 )
             self._sources[target] = name
-        self._cells: dict[tuple[str, Box], list[tuple[Box, list[_Holders]]]] = {}  # see _cells()
+        self._cut: dict[tuple[str, Box], list[tuple[Box, list[_Holders]]]] = {}  # pieces cut by _cells()
         self.loads = [0] * self.trainer_count  # bytes each trainer sends
         self.receivers: dict[int, list[Transfer]] = {}
 
@@ -278,9 +278,9 @@ class Plan:
             trainer = exact.least(loads)
             loads[trainer] += need.numel * itemsize
             return [(trainer, exact.box, exact.box)]
-        cells = self._cells.get((part, need))
+        cells = self._cut.get((part, need))
         if cells is None:  # receivers of one piece share its geometry; only the loads differ
-            cells = self._cells[(part, need)] = _cells(who, part, need, list(groups.values()))
+            cells = self._cut[(part, need)] = _cells(who, part, need, list(groups.values()))
         result = []
         for cell, candidates in cells:
             group, trainer = _least(candidates, loads)

@@ -456,7 +456,7 @@ def wait_tensor_freed(tensor: Any, *, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     pause_s = 0.001
     while True:
-        agent.flush()
+        agent.flush(timeout_s=min(10.0, max(0.01, deadline - time.monotonic())))
         held = agent.owned_sharing(storages)
         if not held:
             return

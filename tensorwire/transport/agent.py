@@ -257,7 +257,7 @@ class Agent(TransportContext):
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued holder message was sent; False on timeout."""
-        return self._holders.outbox.flush(timeout_s)
+        return self._holders.outbox.flush(timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ reaching peers
 

@@ -67,7 +67,8 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
 # A client channel has its own connections: channels to one address share them otherwise, and
-# the new channel ``drop`` leads to would inherit the failed connection's reconnect back-off.
+# the new channel ``drop`` leads to would share the old one's failed connection (and its
+# reconnect back-off) while calls still run on the old one.
 _CLIENT_CHANNEL_OPTIONS = [*_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 
 
@@ -287,36 +288,69 @@ class ControlClient:
     def __init__(self, *, token: bytes) -> None:
         self._metadata = ((_TOKEN_METADATA, token.decode()),)
         self._channels: dict[str, grpc.Channel] = {}
+        self._running: dict[grpc.Channel, int] = {}  # calls not ended yet, per channel
+        self._retired: set[grpc.Channel] = set()  # dropped, closed when their last call ends
         self._lock = threading.Lock()
 
-    def _channel(self, address: str) -> grpc.Channel:
+    def _acquire(self, address: str) -> grpc.Channel:
+        """The channel to ``address`` (made on first use), counted for one more running call."""
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
                 channel = grpc.insecure_channel(address, options=_CLIENT_CHANNEL_OPTIONS)
                 self._channels[address] = channel
+            self._running[channel] = self._running.get(channel, 0) + 1
             return channel
+
+    def _ended(self, channel: grpc.Channel) -> None:
+        with self._lock:
+            left = self._running.pop(channel) - 1
+            if left:
+                self._running[channel] = left
+                return
+            if channel not in self._retired:
+                return
+            self._retired.discard(channel)
+        # not on the gRPC thread that ran this callback
+        threading.Thread(target=channel.close, name="tensorwire-channel-close", daemon=True).start()
 
     def drop(self, address: str) -> None:
         """Forget the channel to ``address`` (after a lost connection): the next call connects
-        afresh. The channel is not closed: closing cancels every call still on it, and other
-        threads' fetches and holder messages to the same peer would end ``CANCELLED`` (seen
-        under load). Those calls end on their own, by answer or deadline, and the channel is
-        freed with the last of them."""
+        afresh. The channel is closed when the last call still on it ends: closing cancels
+        every call on a channel, and other threads' fetches and holder messages to the same
+        peer ended ``CANCELLED`` (seen under load). Never left to the garbage collector
+        unclosed either: freeing an open channel there crashed a process (SIGSEGV)."""
         with self._lock:
-            self._channels.pop(address, None)
+            channel = self._channels.pop(address, None)
+            if channel is None:
+                return
+            if channel in self._running:
+                self._retired.add(channel)
+                return
+        channel.close()
 
     def _invoke(self, address: str, start: Callable[[grpc.Channel], Any]) -> Any:
-        """``start(channel)``; if :meth:`close` closed that channel meanwhile (another thread),
-        once more on a fresh one."""
-        channel = self._channel(address)
-        try:
-            return start(channel)
-        except ValueError:  # "Cannot invoke RPC: Channel closed!"
-            with self._lock:
-                if self._channels.get(address) is channel:
-                    del self._channels[address]
-            return start(self._channel(address))
+        """``start(channel)``, a call counted on its channel until it ends (its future is
+        returned); if :meth:`close` closed that channel meanwhile (another thread), once more
+        on a fresh one."""
+        for attempt in (1, 2):
+            channel = self._acquire(address)
+            try:
+                call = start(channel)
+            except ValueError:  # "Cannot invoke RPC: Channel closed!"
+                self._ended(channel)
+                with self._lock:
+                    if self._channels.get(address) is channel:
+                        del self._channels[address]
+                if attempt == 2:
+                    raise
+                continue
+            except BaseException:
+                self._ended(channel)
+                raise
+            call.add_done_callback(lambda _call, channel=channel: self._ended(channel))
+            return call
+        raise AssertionError("unreachable")  # pragma: no cover
 
     @staticmethod
     def _unary(channel: grpc.Channel, method: str, request: Any, reply_type: str) -> Any:
@@ -328,12 +362,7 @@ class ControlClient:
 
     def call(self, address: str, method: str, request: Any, reply_type: str, *, timeout_s: float) -> Any:
         """One unary call; raises ``grpc.RpcError`` (callers map it with :func:`map_rpc_error`)."""
-        return self._invoke(
-            address,
-            lambda channel: self._unary(channel, method, request, reply_type)(
-                request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=False
-            ),
-        )
+        return self.call_async(address, method, request, reply_type, timeout_s=timeout_s).result()
 
     def call_async(self, address: str, method: str, request: Any, reply_type: str, *, timeout_s: float) -> Any:
         """Start one unary call; ``.result()`` on the returned future blocks (and raises) like :meth:`call`."""
@@ -359,6 +388,7 @@ class ControlClient:
 
     def close(self) -> None:
         with self._lock:
-            channels, self._channels = self._channels, {}
-        for channel in channels.values():
+            channels = [*self._channels.values(), *self._retired]
+            self._channels, self._retired = {}, set()
+        for channel in channels:
             channel.close()

@@ -4,13 +4,15 @@ One thread per process sends them. Operations that arrive together are grouped b
 sent as one numbered ``Holders`` call per owner, all owners at once. Per owner one batch is on
 its way at a time, and what arrives meanwhile waits for its answer: order per owner is kept
 (``PIN`` before the sender's own ``RELEASE``), which the holder protocol relies on. A batch
-that gets no answer is sent again under its number after a growing pause, while other owners'
-batches go on; the owner applies each number once, so a late first call and its retry count
-once. A fetch never waits for these messages.
+that gets no answer (deadline, connection lost or cancelled) is sent again under its number
+after a growing pause, while other owners' batches go on; the owner applies each number once,
+so a late first call and its retry count once. Any other error gives the batch up. A fetch
+never waits for these messages.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -30,6 +32,25 @@ __all__ = ["Outbox"]
 logger = logging.getLogger(__name__)
 
 _MAX_PAUSE_S = 2.0  # longest pause between two tries of one batch
+_WARN_SILENT_S = 30.0  # a batch unanswered this long is warned about (once per batch)
+_NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
+@dataclass(frozen=True)
+class _Queued:
+    """An operation for ``owner`` (from :meth:`Outbox.send`)."""
+
+    owner: PeerInfo
+    op: Any
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """How the call of batch ``seq`` to owner ``agent_id`` ended (``error`` None: applied)."""
+
+    agent_id: str
+    seq: int
+    error: BaseException | None
 
 
 @dataclass
@@ -43,12 +64,16 @@ class _Lane:
     in_flight: bool = False
     tries: int = 0
     retry_at: float = 0.0
-    silent_since: float | None = None  # first unanswered try of this batch
+    first_sent: float = 0.0  # when this batch was first sent
+    warned: bool = False
 
     def due(self, now: float) -> bool:
         if self.in_flight:
             return False
         return (bool(self.batch) and now >= self.retry_at) or (not self.batch and bool(self.waiting))
+
+    def count(self) -> int:
+        return len(self.batch) + len(self.waiting)
 
 
 class Outbox:
@@ -79,7 +104,7 @@ class Outbox:
         self._may_be_alive = may_be_alive
         self._retry_for_s = retry_for_s
         self._rpc_timeout_s = rpc_timeout_s
-        self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._queue: queue.Queue[_Queued | _Answer | None] = queue.Queue()
         self._lanes: dict[str, _Lane] = {}  # owner agent id -> its lane
         self._pending = 0
         self._closed = False
@@ -88,15 +113,15 @@ class Outbox:
         self._thread.start()
 
     def send(self, owner: PeerInfo, kind: HolderOpKind, object_id: bytes, token: bytes, pin_id: bytes = b"") -> None:
-        """Queue one operation for ``owner``; returns at once."""
+        """Queue one operation for ``owner``; returns at once (dropped once closed)."""
         op = messages["HolderOp"](kind=int(kind), object_id=object_id, token=token, pin_id=pin_id)
         with self._idle:
             if self._closed:
                 return
             self._pending += 1
-            self._queue.put(("op", owner, op))
+            self._queue.put(_Queued(owner, op))
 
-    def flush(self, timeout_s: float = 10.0) -> bool:
+    def flush(self, *, timeout_s: float = 10.0) -> bool:
         """Wait until every queued operation was delivered (or given up); False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._idle:
@@ -121,19 +146,30 @@ class Outbox:
             for item in self._next_items():
                 if item is None:
                     stopping = True
-                elif item[0] == "op":
-                    _, owner, op = item
-                    self._lanes.setdefault(owner.agent_id, _Lane(owner)).waiting.append(op)
+                elif isinstance(item, _Queued):
+                    lane = self._lanes.setdefault(item.owner.agent_id, _Lane(item.owner))
+                    lane.waiting.append(item.op)
                 else:
-                    self._answered(*item[1:])
+                    self._guarded(item.agent_id, functools.partial(self._answered, item))
             if stopping:
                 self._give_up_all()
                 return
             now = time.monotonic()
             for lane in [lane for lane in self._lanes.values() if lane.due(now)]:
-                self._start(lane)
+                self._guarded(lane.owner.agent_id, functools.partial(self._start, lane))
 
-    def _next_items(self) -> list[tuple[Any, ...] | None]:
+    def _guarded(self, agent_id: str, step: Callable[[], None]) -> None:
+        """Run one step for an owner; a bug in it gives up that owner's messages, never the thread."""
+        try:
+            step()
+        except Exception:  # the thread must live on: every owner depends on it
+            logger.warning("holder messages to agent %s failed; giving them up", agent_id, exc_info=True)
+            lane = self._lanes.get(agent_id)
+            if lane is not None:
+                lane.in_flight = False
+                self._drop(lane)
+
+    def _next_items(self) -> list[_Queued | _Answer | None]:
         """Block until something arrives or a retry is due, then take the burst that came with it."""
         now = time.monotonic()
         retries = [lane.retry_at for lane in self._lanes.values() if lane.batch and not lane.in_flight]
@@ -152,7 +188,8 @@ class Outbox:
     def _start(self, lane: _Lane) -> None:
         if not lane.batch:
             lane.seq += 1
-            lane.batch, lane.waiting, lane.tries = lane.waiting, [], 0
+            lane.batch, lane.waiting = lane.waiting, []
+            lane.tries, lane.first_sent, lane.warned = 0, time.monotonic(), False
         seq = lane.seq
         lane.in_flight = True
         agent_id = lane.owner.agent_id
@@ -163,42 +200,51 @@ class Outbox:
                 self._address(lane.owner), "Holders", message, "HolderReply", timeout_s=timeout_s
             )
         except (grpc.RpcError, ValueError) as e:  # could not even start: answered like a failed call
-            self._queue.put(("done", agent_id, seq, e))
+            self._queue.put(_Answer(agent_id, seq, e))
             return
-        call.add_done_callback(lambda done: self._queue.put(("done", agent_id, seq, _error_of(done))))
+        call.add_done_callback(lambda done: self._queue.put(_Answer(agent_id, seq, _error_of(done))))
 
-    def _answered(self, agent_id: str, seq: int, error: BaseException | None) -> None:
-        lane = self._lanes.get(agent_id)
-        if lane is None or seq != lane.seq or not lane.in_flight:
+    def _answered(self, answer: _Answer) -> None:
+        lane = self._lanes.get(answer.agent_id)
+        if lane is None or answer.seq != lane.seq or not lane.in_flight:
             return
         lane.in_flight = False
-        if error is None:
-            delivered, lane.batch, lane.silent_since = len(lane.batch), [], None
+        if answer.error is None:
+            delivered, lane.batch = len(lane.batch), []
             self._done(delivered)
             return
         now = time.monotonic()
-        lane.silent_since = now if lane.silent_since is None else lane.silent_since
-        code = error.code() if isinstance(error, grpc.RpcError) else None
-        if not self._may_be_alive(lane.owner) or code == grpc.StatusCode.UNAUTHENTICATED:
-            logger.debug("dropping holder messages for %s: %s", agent_id, code)  # its objects are gone
+        error = answer.error
+        code = _code_of(error)
+        silent_s = now - lane.first_sent
+        if not self._may_be_alive(lane.owner):
+            logger.debug("dropping holder messages for exited agent %s", answer.agent_id)  # its objects are gone
             self._drop(lane)
-        elif now - lane.silent_since >= self._retry_for_s(lane.owner):
+            del self._lanes[answer.agent_id]
+        elif code not in _NO_ANSWER or silent_s >= self._retry_for_s(lane.owner):
+            reason = f"no answer for {silent_s:.0f} s" if code in _NO_ANSWER else "it refused them"
             logger.warning(
-                "could not deliver %d holder messages to agent %s: no answer for %.0f s (%s)",
-                len(lane.batch) + len(lane.waiting), agent_id, now - lane.silent_since, code or error,
+                "could not deliver %d holder messages to agent %s: %s (%s)",
+                lane.count(), answer.agent_id, reason, code.name if code else repr(error),
             )  # fmt: skip
             self._drop(lane)
         else:
+            if silent_s >= _WARN_SILENT_S and not lane.warned:
+                lane.warned = True
+                logger.warning(
+                    "holder messages to agent %s unanswered for %.0f s; still trying while it may be alive",
+                    answer.agent_id, silent_s,
+                )  # fmt: skip
             lane.tries += 1
-            lane.retry_at = now + min(_MAX_PAUSE_S, 0.05 * 2**lane.tries)
+            lane.retry_at = now + min(_MAX_PAUSE_S, 0.05 * 2 ** min(lane.tries, 6))
 
     def _drop(self, lane: _Lane) -> None:
         """Give up what is on its way to this owner; its next batch gets a new number."""
-        given_up, lane.batch, lane.waiting, lane.silent_since = len(lane.batch) + len(lane.waiting), [], [], None
+        given_up, lane.batch, lane.waiting = lane.count(), [], []
         self._done(given_up)
 
     def _give_up_all(self) -> None:
-        left = sum(len(lane.batch) + len(lane.waiting) for lane in self._lanes.values())
+        left = sum(lane.count() for lane in self._lanes.values())
         if left:
             logger.debug("closing with %d holder messages not delivered", left)
         for lane in self._lanes.values():
@@ -208,6 +254,12 @@ class Outbox:
         with self._idle:
             self._pending -= count
             self._idle.notify_all()
+
+
+def _code_of(error: BaseException) -> grpc.StatusCode | None:
+    if isinstance(error, grpc.FutureCancelledError):  # the client closed the channel
+        return grpc.StatusCode.CANCELLED
+    return error.code() if isinstance(error, grpc.RpcError) else None
 
 
 def _error_of(call: Any) -> BaseException | None:

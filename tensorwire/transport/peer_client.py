@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -60,9 +61,12 @@ class PeerClient:
 
     def _retry_holders_for_s(self, owner: PeerInfo) -> float:
         """How long holder messages to a silent owner are retried: on this machine while its
-        process runs (a paused owner gets them when it resumes); on another one until its holder
-        check has dropped this process's holds too (``holder_lost_after_s``)."""
-        return math.inf if owner.same_machine(self._peer()) else self._config().holder_lost_after_s
+        agent's socket is there (a paused owner gets them when it resumes; a closed agent
+        removed it); on another one until its holder check has dropped this process's holds
+        too (``holder_lost_after_s``)."""
+        if owner.same_machine(self._peer()):
+            return math.inf if os.path.exists(owner.unix_address.removeprefix("unix:")) else 0.0
+        return self._config().holder_lost_after_s
 
     # ------------------------------------------------------------------ reaching peers
 

@@ -120,7 +120,11 @@ class Worker:
     def result(self, timeout_s: float = 60.0) -> Any:
         if not self._conn.poll(timeout_s):
             raise TimeoutError(f"worker {self.pid} gave no answer within {timeout_s} s")
-        status, payload = self._conn.recv()
+        try:
+            status, payload = self._conn.recv()
+        except EOFError:
+            self.process.join(10)
+            raise ChildError("WorkerDied", f"worker {self.pid} died, exit code {self.process.exitcode}") from None
         if status == "error":
             raise ChildError(*payload)
         return pickle.loads(payload)

@@ -11,6 +11,7 @@ import pytest
 
 from tensorwire.transport.control import _SERVICE, _TOKEN_METADATA, cluster_token
 from tensorwire.transport.wire import messages
+from tests.helpers.observe import wait_until
 
 
 def _raw_call(address: str, method: str, payload: bytes, token: bytes | None):
@@ -127,10 +128,12 @@ def test_call_on_a_channel_closed_by_another_thread_reconnects(agent):
     client = ControlClient(token=cluster_token())
     try:
         address = agent.peer.unix_address
-        client._channel(address).close()  # closed, but still in that thread's hands, as in the race
-        reply = client.call(address, "Ping", messages["PingRequest"](), "PingReply", timeout_s=5)
+        ping = messages["PingRequest"]()
+        assert client.call(address, "Ping", ping, "PingReply", timeout_s=5).peer.agent_id == agent.peer.agent_id
+        client._channels[address].close()  # closed, but still cached for that thread, as in the race
+        reply = client.call(address, "Ping", ping, "PingReply", timeout_s=5)
         assert reply.peer.agent_id == agent.peer.agent_id
-        client._channel(address).close()
+        client._channels[address].close()
         future = client.call_async(address, "Ping", messages["PingRequest"](), "PingReply", timeout_s=5)
         assert future.result().peer.agent_id == agent.peer.agent_id
     finally:
@@ -229,12 +232,28 @@ def test_a_dropped_channel_leaves_the_calls_still_on_it_running(agent):
         address = agent.peer.unix_address
         stream = client.stream(address, request, timeout_s=30)
         chunks = [next(stream)]
+        old = client._channels[address]
         client.drop(address)  # as a retry on another thread does
         reply = client.call(address, "Ping", messages["PingRequest"](), "PingReply", timeout_s=5)
+        assert not _closed(old)
         chunks.extend(stream)
+        assert wait_until(lambda: _closed(old))  # closed once its last call ended, not left to the collector
+        idle = client._channels[address]  # the new one, nothing running on it: closed at once
+        client.drop(address)
+        assert _closed(idle)
     finally:
         client.close()
     assert reply.peer.agent_id == agent.peer.agent_id
     assert len(chunks) > 1  # the drop came mid-stream
     received = b"".join(chunks)
     assert zlib.crc32(received) == zlib.crc32(data.numpy().tobytes())
+
+
+def _closed(channel: grpc.Channel) -> bool:
+    try:
+        channel.unary_unary(f"/{_SERVICE}/NoSuchMethod")(b"", timeout=5)
+    except ValueError:  # "Cannot invoke RPC on closed channel!"
+        return True
+    except grpc.RpcError:
+        return False
+    return False
