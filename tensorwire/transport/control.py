@@ -318,8 +318,8 @@ class ControlClient:
         """Forget the channel to ``address`` (after a lost connection): the next call connects
         afresh. The channel is closed when the last call still on it ends: closing cancels
         every call on a channel, and other threads' fetches and holder messages to the same
-        peer ended ``CANCELLED`` (seen under load). Never left to the garbage collector
-        unclosed either: freeing an open channel there crashed a process (SIGSEGV)."""
+        peer ended ``CANCELLED`` (seen under load). Nor is it left open to the garbage
+        collector."""
         with self._lock:
             channel = self._channels.pop(address, None)
             if channel is None:

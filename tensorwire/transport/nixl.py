@@ -1,25 +1,9 @@
-"""``nixl``: one-sided READ through NVIDIA's NIXL transfer engine (extra ``nixl``).
-
-Found through the ``tensorwire.transports`` entry point in ``pyproject.toml``; no other module
-names it. The wheel (``nixl``, ``nixl-cu12`` or ``nixl-cu13``) bundles a UCX with verbs, mlx5,
-EFA and CUDA modules; without RDMA UCX uses TCP, shared memory or cma. Backends:
-``TENSORWIRE_NIXL_BACKENDS`` (default ``UCX``; ``LIBFABRIC`` for EFA). Host memory is verified
-on the CPU build VM, CUDA memory (``VRAM``) is not (no GPU there). One NIXL agent per process,
-made on its first export or fetch (about 0.5 s here); its name is the published connection info.
-
-**Producer.** ``export`` registers each tensor's whole storage once, cached per storage (address
-range + weak reference: parameters and staging slots reuse it), deregistered once its memory is
-freed or the cache (``TENSORWIRE_NIXL_CACHE``, default 512) evicts it unused. The handle carries
-the agent's name and connection metadata (331 B with UCX), the *partial* metadata of exactly the
-object's registrations, their ids, a row per tensor and a *liveness slot*: a registered word
-holding a random tag while the object lives, cleared when it is freed.
-
-**Consumer.** Load the owner's connection metadata if new, its partial metadata only for unseen
-registration ids; register the destinations (same cache: ``out=`` buffers once); READ the
-tensors, poll to DONE, then READ the slot and check the tag (a free racing the data is seen). No
-control call. Waits are bounded by the deadline, the owner's liveness checked every 0.2 s (a
-status call every 2 s across machines); a failed or late transfer's handle is released. NIXL's
-progress thread waits ``TENSORWIRE_NIXL_PROGRESS_US`` (1000) between rounds, not 0 (a spin).
+"""``nixl``: one-sided READ through NVIDIA's NIXL transfer engine (extra ``nixl``), found
+through the ``tensorwire.transports`` entry point. Backends: ``TENSORWIRE_NIXL_BACKENDS``
+(default ``UCX``). Host memory is verified here, CUDA memory is not. The producer registers each
+storage once (cached) and hands out a handle: metadata, a row per tensor, a liveness slot; the
+consumer loads metadata only when new, READs the tensors, then the slot's tag: no control call,
+every wait bounded. docs/architecture.md ("nixl details") says why each step is as it is.
 """
 
 from __future__ import annotations
@@ -111,10 +95,8 @@ class _Agent:
         finally:
             bind.nixlAgent = make
         if not self.nixl.backends:
-            raise TransportUnavailableError(
-                f"nixl: none of the backends {wanted} ({BACKENDS_ENV}) could be created; "
-                f"plug-ins available: {self.nixl.get_plugin_list()}"
-            )
+            raise TransportUnavailableError(f"nixl: none of the backends {wanted} ({BACKENDS_ENV}) could be "
+                                            f"created; plug-ins available: {self.nixl.get_plugin_list()}")  # fmt: skip
         self.name, self.lock, self.next_sweep = name, threading.RLock(), 0.0
         self.capacity = max(16, int(os.environ.get(CACHE_ENV, "512")))
         self.regs: OrderedDict[tuple[int, int, bool, int], _Reg] = OrderedDict()
@@ -122,6 +104,7 @@ class _Agent:
         self.ids = itertools.count(1)
         self.partials: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
         self.remote: dict[str, set[int]] = {}  # remote agent name -> registration ids loaded
+        self.stuck: list[tuple[list, list, list, int]] = []  # READs given up on: memory, registrations, slot
         counters = ("registered", "deregistered", "hits", "metadata_loads", "partial_loads", "leaked_handles")
         self.stats = dict.fromkeys(counters, 0)
         self.conn_md = self.nixl.get_agent_metadata()
@@ -182,6 +165,7 @@ class _Agent:
         """Deregister idle registrations whose memory was freed (at most every 0.1 s)."""
         if time.monotonic() >= self.next_sweep:
             self.next_sweep = time.monotonic() + 0.1
+            self.settle()
             for key, reg in list(self.idle.items()):
                 if reg.users or self.regs.get(key) is not reg:
                     del self.idle[key]
@@ -241,6 +225,24 @@ class _Agent:
                 with contextlib.suppress(Exception):  # the peer is gone either way
                     self.nixl.remove_remote_agent(name)
 
+    def settle(self) -> None:
+        """Release the READs given up on that have ended since: a READ past its deadline can still
+        land (seen: SIGSEGV in memory freed meanwhile), so its memory, registrations and slot wait."""
+        with self.lock:
+            for entry in [e for e in self.stuck if not any(self._running(x) for x in e[0])]:
+                self.stuck.remove(entry)
+                for xfer in entry[0]:
+                    with contextlib.suppress(Exception):  # it ended: nothing is left to cancel
+                        self.nixl.release_xfer_handle(xfer)
+                self.unuse(entry[2])
+                self.free_flags.append(entry[3])
+
+    def _running(self, xfer: Any) -> bool:
+        try:
+            return self.nixl.check_xfer_state(xfer) == "PROC"
+        except Exception:  # noqa: BLE001 - it ended in an error (its owner disconnected, say)
+            return False
+
     def take(self, free: list[int]) -> int | None:
         with self.lock:
             return free.pop() if free else None
@@ -257,9 +259,8 @@ def _agent_name() -> str:
 
 def _agent() -> _Agent:
     """This process's NIXL agent, made on first use."""
-    pid = os.getpid()
     with _lock:
-        if pid not in _process:
+        if (pid := os.getpid()) not in _process:
             try:
                 _process[pid] = _Agent(_agent_name())
             except Exception as e:
@@ -273,7 +274,8 @@ def stats() -> dict[str, int]:
         return {}
     with agent.lock:
         return {**agent.stats, "cached": len(agent.regs), "remote_agents": len(agent.remote),
-                "live_slots": _SLOTS - len(agent.free_table), "idle": len(agent.idle)}  # fmt: skip
+                "live_slots": _SLOTS - len(agent.free_table), "idle": len(agent.idle),
+                "stuck_reads": len(agent.stuck)}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -346,8 +348,7 @@ class NixlTransport(Transport):
         return _agent_name()
 
     def load_peer(self, peer: PeerInfo, info: str) -> None:
-        """Consumer, once per producer: remember its NIXL agent's name (its metadata travels
-        in the first handle, so nothing is loaded before a fetch needs it)."""
+        """Consumer, once per producer: its NIXL agent's name (metadata comes with handles)."""
         if not info.startswith("tw-"):
             raise TransportUnavailableError(f"nixl: agent {peer.agent_id} published {info!r}, not a NIXL agent name")
         self._peers[peer.agent_id] = info
@@ -380,8 +381,7 @@ class NixlTransport(Transport):
         tag = secrets.randbits(63) | 1
         agent.table_np[slot] = tag
         obj.transport_state[self.name] = (regs, slot)
-        cells = [(t.data_ptr(), t.nbytes, t.device.index or 0, t.device.type == "cuda") for t in tensors]
-        rows = np.array(cells, dtype=_ROW)
+        rows = np.array([(t.data_ptr(), t.nbytes, t.device.index or 0, t.device.type == "cuda") for t in tensors], _ROW)
         rids = (*(r.rid for r in regs), agent.table_reg.rid)
         flag_addr = agent.table.data_ptr() + 8 * slot
         body = _Handle(agent.name, agent.conn_md, tuple(partials), rids, rows, flag_addr, tag).encode()
@@ -421,59 +421,45 @@ class NixlTransport(Transport):
         if slot is None:
             agent.unuse(regs)
             raise TransportUnavailableError(f"nixl: {_SLOTS} fetches in flight in this process")
+        unfinished: list = []  # READs posted and not seen DONE
         try:
             agent.flags_np[slot] = 0
-            self._read(agent, handle, targets, slot, request)
+            flag = ([(agent.flags.data_ptr() + 8 * slot, 8, 0)], [(handle.flag_addr, 8, 0)])
+            self._post(agent, handle, _read_groups(targets), request, unfinished)
+            self._post(agent, handle, [((False, False), flag)], request, unfinished)  # the tag after the data
             if int(agent.flags_np[slot]) != handle.tag:
                 self.context.check_owner(request)  # raises ObjectFreedError / OwnerDiedError
                 raise TransportError(f"nixl: object {request.object_id.hex()} was freed by its owner")
         finally:
-            agent.unuse(regs)
-            agent.free_flags.append(slot)
+            if unfinished:  # kept, with the memory it reads into, until NIXL says it ended (settle)
+                agent.stuck.append((unfinished, [t for t, _ in targets], regs, slot))
+            else:
+                agent.unuse(regs)
+                agent.free_flags.append(slot)
 
-    def _read(self, agent: _Agent, handle: _Handle, targets: list, slot: int, request: FetchRequest) -> None:
-        groups: dict[tuple[bool, bool], tuple[list, list]] = {}
-        for t, row in targets:
-            vram = t.device.type == "cuda"
-            local, remote = groups.setdefault((vram, bool(row[3])), ([], []))
-            local.append((t.data_ptr(), row[1], (t.device.index or 0) if vram else 0))
-            remote.append(row[:3])
-        flag = ([(agent.flags.data_ptr() + 8 * slot, 8, 0)], [(handle.flag_addr, 8, 0)])
-        self._post(agent, handle, [g for g in groups.items() if g[1][0]], request)
-        self._post(agent, handle, [((False, False), flag)], request)  # the tag only after the data: no stale bytes
-
-    def _post(self, agent: _Agent, handle: _Handle, groups: list, request: FetchRequest) -> None:
-        """READ each (memory kinds, (local, remote)) group; wait for all; release the handles."""
-        xfers = []
+    def _post(self, agent: _Agent, handle: _Handle, groups: list, request: FetchRequest, xfers: list) -> None:
+        """READ each group and wait for all: handles released when DONE, else left in ``xfers``."""
         try:
             for (lv, rv), (local, remote) in groups:
                 ldescs = agent.nixl.get_xfer_descs(local, "VRAM" if lv else "DRAM")
                 rdescs = agent.nixl.get_xfer_descs(remote, "VRAM" if rv else "DRAM")
-                xfer = agent.nixl.initialize_xfer("READ", ldescs, rdescs, handle.name)
-                xfers.append(xfer)
-                if agent.nixl.transfer(xfer) == "ERR":
+                xfers.append(agent.nixl.initialize_xfer("READ", ldescs, rdescs, handle.name))
+                if agent.nixl.transfer(xfers[-1]) == "ERR":
                     self._failed(request, "posting the READ")
             self._wait(agent, xfers, request)
         except Exception as e:
             if type(e).__name__.startswith("nixl"):  # NIXL's own errors: the owner's fate, else failed
                 self._failed(request, f"the READ ({type(e).__name__}: {e})")
             raise
-        finally:
-            for xfer in xfers:
-                try:
-                    agent.nixl.release_xfer_handle(xfer)
-                except Exception as e:  # noqa: BLE001 - NIXL could not cancel it: keep going
-                    agent.stats["leaked_handles"] += 1
-                    logger.warning("nixl: a transfer handle could not be released (%s)", e)
+        while xfers:
+            agent.nixl.release_xfer_handle(xfers.pop())
 
     def _wait(self, agent: _Agent, xfers: list, request: FetchRequest) -> None:
         """Poll every transfer to DONE; bounded by the deadline, the owner checked meanwhile."""
-        owner = request.owner
+        owner, start = request.owner, time.monotonic()
         remote_machine = not self.context.peer.same_machine(owner)
-        start = time.monotonic()
         next_alive, next_status = start + _POLL_S[0], start + _POLL_S[1]
-        pending = list(xfers)
-        spins = 0
+        pending, spins = list(xfers), 0
         while True:
             states = [agent.nixl.check_xfer_state(x) for x in pending]
             if "ERR" in states:
@@ -498,3 +484,14 @@ class NixlTransport(Transport):
         """A transfer ended in error: the owner's death or free if that is why, else TransportError."""
         self.context.check_owner(request)
         raise TransportError(f"nixl: {what} of object {request.object_id.hex()} from {request.owner.agent_id} failed")
+
+
+def _read_groups(targets: list) -> list:
+    """The (memory kinds, (local, remote descriptors)) READ groups of (tensor, row) targets."""
+    groups: dict[tuple[bool, bool], tuple[list, list]] = {}
+    for t, row in targets:
+        vram = t.device.type == "cuda"
+        local, remote = groups.setdefault((vram, bool(row[3])), ([], []))
+        local.append((t.data_ptr(), row[1], (t.device.index or 0) if vram else 0))
+        remote.append(row[:3])
+    return [g for g in groups.items() if g[1][0]]

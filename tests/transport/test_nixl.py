@@ -129,12 +129,19 @@ def test_stopped_producer_hits_the_deadline_then_works_again(pair):
         os.kill(stopped.pid, signal.SIGSTOP)
         try:
             late = consumer.call(f"{T}:timed_outcome", ref, 2.0, timeout_s=120)
+            unfinished = consumer.call(f"{T}:late_read", ref, 2.0, timeout_s=120)
         finally:
             os.kill(stopped.pid, signal.SIGCONT)
         assert late["outcome"] == "TransferTimeoutError", late
         assert "deadline" in late["message"] or "timed out" in late["message"] or "timeout" in late["message"], late
+        # READs given up on still land when the producer resumes (freeing their buffers at the
+        # deadline crashed the consumer then: SIGSEGV): they are kept until NIXL says they ended
+        assert unfinished["outcome"] == "TransferTimeoutError" and unfinished["stats"]["stuck_reads"] == 2, unfinished
         again = consumer.call(f"{T}:timed_outcome", ref, 60.0, timeout_s=120)
         assert again["outcome"] == expected, again
+        time.sleep(0.2)  # the kept READs are settled at most every 0.1 s, on the next registration
+        settled = consumer.call(f"{T}:late_read", ref, 60.0, timeout_s=120)
+        assert settled["outcome"] == "ok" and settled["stats"]["stuck_reads"] == 0, settled
     finally:
         stopped.close()
 
