@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.helpers.observe import wait_until
 from tests.helpers.procs import Worker
 
 INSTALLED = any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12", "nixl_cu13"))
@@ -139,9 +140,14 @@ def test_stopped_producer_hits_the_deadline_then_works_again(pair):
         assert unfinished["outcome"] == "TransferTimeoutError" and unfinished["stats"]["stuck_reads"] == 2, unfinished
         again = consumer.call(f"{T}:timed_outcome", ref, 60.0, timeout_s=120)
         assert again["outcome"] == expected, again
-        time.sleep(0.2)  # the kept READs are settled at most every 0.1 s, on the next registration
-        settled = consumer.call(f"{T}:late_read", ref, 60.0, timeout_s=120)
-        assert settled["outcome"] == "ok" and settled["stats"]["stuck_reads"] == 0, settled
+        settled: list[dict] = []  # released once ended, by a later registration's sweep (at most every 0.1 s)
+
+        def released() -> bool:
+            settled.append(consumer.call(f"{T}:late_read", ref, 60.0, timeout_s=120))
+            return settled[-1]["stats"]["stuck_reads"] == 0
+
+        assert wait_until(released, timeout_s=60), settled[-1]
+        assert all(s["outcome"] == expected for s in settled), settled
     finally:
         stopped.close()
 
