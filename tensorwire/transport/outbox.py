@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_PAUSE_S = 2.0  # longest pause between two tries of one batch
 _WARN_SILENT_S = 30.0  # a batch unanswered this long is warned about (once per batch)
+_REFUSED_S = 5.0  # connections refused this long: nobody listens (a SIGKILLed agent leaves its socket)
 _NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
@@ -221,7 +222,11 @@ class Outbox:
             logger.debug("dropping holder messages for exited agent %s", answer.agent_id)  # its objects are gone
             self._drop(lane)
             del self._lanes[answer.agent_id]
-        elif code not in _NO_ANSWER or silent_s >= self._retry_for_s(lane.owner):
+        elif (
+            code not in _NO_ANSWER
+            or silent_s >= self._retry_for_s(lane.owner)
+            or (code == grpc.StatusCode.UNAVAILABLE and silent_s >= _REFUSED_S)
+        ):
             reason = f"no answer for {silent_s:.0f} s" if code in _NO_ANSWER else "it refused them"
             logger.warning(
                 "could not deliver %d holder messages to agent %s: %s (%s)",

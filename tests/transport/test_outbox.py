@@ -28,7 +28,7 @@ class _Owners:
     """Owners that apply numbered batches as ``Holders.receive`` does. Each answers after a
     moment on another thread, the way set by ``mode[name]``: "answer"; "silent" (nothing
     applied, the call times out); "lost" (applied, but the answer is lost: the call times out);
-    "refuse" (``PERMISSION_DENIED``)."""
+    "refuse" (``PERMISSION_DENIED``); "closed" (``UNAVAILABLE``: nobody listens)."""
 
     def __init__(self, **modes: str) -> None:
         self.mode = dict(modes)
@@ -64,6 +64,8 @@ class _Owners:
             future.set_result(None)
         elif mode == "refuse":
             future.set_exception(_Failed(grpc.StatusCode.PERMISSION_DENIED))
+        elif mode == "closed":
+            future.set_exception(_Failed(grpc.StatusCode.UNAVAILABLE))
         else:
             future.set_exception(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED))
 
@@ -200,3 +202,20 @@ def test_close_stops_the_sender_gives_up_what_is_left_and_sends_nothing_after():
     assert outbox.flush(timeout_s=5)
     time.sleep(0.1)
     assert owners.calls("owner") == calls and owners.applied["owner"] == []
+
+
+def test_an_owner_whose_socket_refuses_connections_is_given_up_though_its_pid_lives(monkeypatch, caplog):
+    """A SIGKILLed agent leaves its socket file and, until reaped, its pid: retrying it for ever
+    made every flush wait its whole timeout (a Ray actor's ``wait_tensor_freed`` stalled)."""
+    import tensorwire.transport.outbox as outbox_module
+
+    monkeypatch.setattr(outbox_module, "_REFUSED_S", 0.5)
+    owners = _Owners(dead="closed")
+    outbox = _outbox(owners, retry_for_s=lambda peer: float("inf"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="tensorwire.transport.outbox"):
+            _ops(outbox, "dead", range(3))
+            assert outbox.flush(timeout_s=60)
+        assert owners.calls("dead") >= 2 and _given_up(caplog, "dead") == 3
+    finally:
+        outbox.close()
