@@ -99,11 +99,9 @@ def _settle_orphan(box: _Unsettled) -> None:
 
 
 def _settle_orphan_now(box: _Unsettled) -> None:
-    """Wait for the call without blocking in Ray, and stop once Ray is shut down: a thread in
-    (or entering) a Ray call during ``ray.shutdown()`` makes Ray end the whole process (seen in
-    the suite's load run: pytest exited with status 1 and no report, after a 1 s ``ray.get``
-    here overlapped the module's shutdown). Polling with ``ray.wait(timeout=0)`` narrows that
-    window to the call itself; it does not close it."""
+    """Wait for the call in short steps and stop once Ray is shut down: a thread that touches
+    Ray after ``ray.shutdown()`` makes Ray end the whole process (seen in the suite's load run:
+    pytest exited with status 1 and no report)."""
     import ray
 
     deadline = time.monotonic() + _ORPHAN_WAIT_S
@@ -111,14 +109,13 @@ def _settle_orphan_now(box: _Unsettled) -> None:
         if not ray.is_initialized():
             return  # Ray is gone, and with it the call and anything it pinned through Ray
         try:
-            if not ray.wait([box.object_ref], timeout=0)[0]:
-                if time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                logger.warning("a dropped call result was not ready after %.0f s; not released", _ORPHAN_WAIT_S)
-                return
             state = _state_of(raw_value(box.object_ref, 1.0))
             break
+        except TimeoutError:
+            if time.monotonic() < deadline:
+                continue
+            logger.warning("a dropped call result was not ready after %.0f s; not released", _ORPHAN_WAIT_S)
+            return
         except Exception:  # noqa: BLE001 - the call failed: it pinned nothing
             return
     try:
