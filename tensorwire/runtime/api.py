@@ -359,7 +359,8 @@ def get(
         ObjectFreedError: The object was freed. OwnerDiedError: its owner exited.
         PeerLostError: The owner did not answer. PermissionDeniedError: forged reference.
         NoTransportError: No (or the forced) transport can serve. ValueError: ``out`` does
-            not match. TransferTimeoutError: the deadline passed. DeviceUnavailableError
+            not match. TransferTimeoutError: the deadline passed (over nixl a READ then
+            still running may yet write into ``out``). DeviceUnavailableError
             (a ValueError): ``device`` is not one this process sees.
     """
     if timeout_s is not None:

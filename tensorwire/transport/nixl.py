@@ -104,7 +104,7 @@ class _Agent:
         self.ids = itertools.count(1)
         self.partials: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
         self.remote: dict[str, set[int]] = {}  # remote agent name -> registration ids loaded
-        self.stuck: list[tuple[list, list, list, int]] = []  # READs given up on: memory, registrations, slot
+        self.stuck: list[tuple[str, list, list, list, int]] = []  # kept READs: (owner, READs, memory, regs, slot)
         counters = ("registered", "deregistered", "hits", "metadata_loads", "partial_loads", "leaked_handles")
         self.stats = dict.fromkeys(counters, 0)
         self.conn_md = self.nixl.get_agent_metadata()
@@ -115,8 +115,7 @@ class _Agent:
         self.free_table, self.free_flags = list(range(_SLOTS)), list(range(_SLOTS))
 
     def acquire(self, tensors: Sequence[Any]) -> list[_Reg]:
-        """The registrations covering ``tensors``, each used once more; the missing ones are
-        registered in one call per memory kind (about 20x cheaper per region than one each)."""
+        """The registrations covering ``tensors``, each used once more (missing ones: one call per kind)."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
         with self.lock:
@@ -220,24 +219,30 @@ class _Agent:
             self.remote.setdefault(handle.name, set()).update(handle.rids)
 
     def forget_remote(self, name: str) -> None:
-        with self.lock:
-            if self.remote.pop(name, None) is not None:
+        with self.lock:  # kept READs from it still run (after a disconnect NIXL says ERR, yet they land)
+            if not any(e[0] == name for e in self.stuck) and self.remote.pop(name, None) is not None:
                 with contextlib.suppress(Exception):  # the peer is gone either way
                     self.nixl.remove_remote_agent(name)
 
     def settle(self) -> None:
-        """Release the READs given up on that have ended since: a READ past its deadline can still
-        land (seen: SIGSEGV in memory freed meanwhile), so its memory, registrations and slot wait."""
+        """Release kept READs that ended: one past its deadline can still land (seen: SIGSEGV)."""
         with self.lock:
-            for entry in [e for e in self.stuck if not any(self._running(x) for x in e[0])]:
+            for entry in [e for e in self.stuck if not any(self.running(x) for x in e[1])]:
                 self.stuck.remove(entry)
-                for xfer in entry[0]:
-                    with contextlib.suppress(Exception):  # it ended: nothing is left to cancel
-                        self.nixl.release_xfer_handle(xfer)
-                self.unuse(entry[2])
-                self.free_flags.append(entry[3])
+                self.release(entry[1])
+                self.unuse(entry[3])
+                self.free_flags.append(entry[4])
 
-    def _running(self, xfer: Any) -> bool:
+    def release(self, xfers: list) -> None:
+        """Release ended transfers' handles (``xfers`` is emptied)."""
+        while xfers:
+            try:
+                self.nixl.release_xfer_handle(xfers.pop())
+            except Exception as e:  # noqa: BLE001 - it ended: only its handle's memory is lost
+                self.stats["leaked_handles"] += 1
+                logger.warning("nixl: a transfer handle could not be released (%s)", e)
+
+    def running(self, xfer: Any) -> bool:
         try:
             return self.nixl.check_xfer_state(xfer) == "PROC"
         except Exception:  # noqa: BLE001 - it ended in an error (its owner disconnected, say)
@@ -302,10 +307,8 @@ class _Handle:
             version, n_name, n_conn, n_partial, n_rids, n_rows, flag, tag = _HEADER.unpack_from(data, 0)
             if version != _VERSION:
                 raise TransportError(f"nixl: handle version {version} (expected {_VERSION})")
-            pos = _HEADER.size
-            name = data[pos : pos + n_name].decode()
-            conn = bytes(data[pos + n_name : pos + n_name + n_conn])
-            pos += n_name + n_conn
+            pos = _HEADER.size + n_name + n_conn
+            name, conn = data[_HEADER.size : pos - n_conn].decode(), bytes(data[pos - n_conn : pos])
             partials = []
             for _ in range(n_partial):
                 (n,) = struct.unpack_from("!I", data, pos)
@@ -378,8 +381,7 @@ class NixlTransport(Transport):
             agent.free_table.append(slot)
             agent.unuse(regs)
             raise TransportError(f"nixl: registering {obj.nbytes} bytes failed: {e}") from e
-        tag = secrets.randbits(63) | 1
-        agent.table_np[slot] = tag
+        agent.table_np[slot] = tag = secrets.randbits(63) | 1
         obj.transport_state[self.name] = (regs, slot)
         rows = np.array([(t.data_ptr(), t.nbytes, t.device.index or 0, t.device.type == "cuda") for t in tensors], _ROW)
         rids = (*(r.rid for r in regs), agent.table_reg.rid)
@@ -425,14 +427,27 @@ class NixlTransport(Transport):
         try:
             agent.flags_np[slot] = 0
             flag = ([(agent.flags.data_ptr() + 8 * slot, 8, 0)], [(handle.flag_addr, 8, 0)])
-            self._post(agent, handle, _read_groups(targets), request, unfinished)
+            groups: dict[tuple[bool, bool], tuple[list, list]] = {}  # (memory kinds) -> (local, remote) rows
+            for t, row in targets:
+                vram = t.device.type == "cuda"
+                local, remote = groups.setdefault((vram, bool(row[3])), ([], []))
+                local.append((t.data_ptr(), row[1], (t.device.index or 0) if vram else 0))
+                remote.append(row[:3])
+            self._post(agent, handle, list(groups.items()), request, unfinished)
             self._post(agent, handle, [((False, False), flag)], request, unfinished)  # the tag after the data
             if int(agent.flags_np[slot]) != handle.tag:
                 self.context.check_owner(request)  # raises ObjectFreedError / OwnerDiedError
                 raise TransportError(f"nixl: object {request.object_id.hex()} was freed by its owner")
+        except Exception as e:  # a READ still running could overwrite a fallback's bytes: no fallback then
+            if not isinstance(e, TransferTimeoutError) and not any(agent.running(x) for x in unfinished):
+                agent.release(unfinished)  # none runs (ended, failed): nothing of theirs can land now
+            elif not isinstance(e, TransferTimeoutError):
+                raise TransferTimeoutError(f"nixl: a READ was still running when the fetch failed: {e}") from e
+            raise
         finally:
-            if unfinished:  # kept, with the memory it reads into, until NIXL says it ended (settle)
-                agent.stuck.append((unfinished, [t for t, _ in targets], regs, slot))
+            if unfinished:  # kept, with the memory they read into, until NIXL says they ended (settle)
+                logger.warning("nixl: %d READs from %s unfinished; their memory is kept", len(unfinished), handle.name)
+                agent.stuck.append((handle.name, unfinished, [t for t, _ in targets], regs, slot))
             else:
                 agent.unuse(regs)
                 agent.free_flags.append(slot)
@@ -451,8 +466,7 @@ class NixlTransport(Transport):
             if type(e).__name__.startswith("nixl"):  # NIXL's own errors: the owner's fate, else failed
                 self._failed(request, f"the READ ({type(e).__name__}: {e})")
             raise
-        while xfers:
-            agent.nixl.release_xfer_handle(xfers.pop())
+        agent.release(xfers)
 
     def _wait(self, agent: _Agent, xfers: list, request: FetchRequest) -> None:
         """Poll every transfer to DONE; bounded by the deadline, the owner checked meanwhile."""
@@ -484,14 +498,3 @@ class NixlTransport(Transport):
         """A transfer ended in error: the owner's death or free if that is why, else TransportError."""
         self.context.check_owner(request)
         raise TransportError(f"nixl: {what} of object {request.object_id.hex()} from {request.owner.agent_id} failed")
-
-
-def _read_groups(targets: list) -> list:
-    """The (memory kinds, (local, remote descriptors)) READ groups of (tensor, row) targets."""
-    groups: dict[tuple[bool, bool], tuple[list, list]] = {}
-    for t, row in targets:
-        vram = t.device.type == "cuda"
-        local, remote = groups.setdefault((vram, bool(row[3])), ([], []))
-        local.append((t.data_ptr(), row[1], (t.device.index or 0) if vram else 0))
-        remote.append(row[:3])
-    return [g for g in groups.items() if g[1][0]]
