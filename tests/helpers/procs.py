@@ -40,6 +40,10 @@ class ChildError(Exception):
         self.exc_type = exc_type
 
 
+class WorkerDied(EOFError):
+    """A worker's process ended while a call waited for it (the exit code is in the message)."""
+
+
 PRELOADED = ["torch", "numpy", "grpc"]  # imported once by the forkserver (none starts a server at
 # import; the one thread, numpy's OpenBLAS pool, OpenBLAS itself remakes after a fork)
 
@@ -124,7 +128,7 @@ class Worker:
             status, payload = self._conn.recv()
         except EOFError:
             self.process.join(10)
-            raise ChildError("WorkerDied", f"worker {self.pid} died, exit code {self.process.exitcode}") from None
+            raise WorkerDied(f"worker {self.pid} died, exit code {self.process.exitcode}") from None
         if status == "error":
             raise ChildError(*payload)
         return pickle.loads(payload)
