@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,7 +38,6 @@ __all__ = ["Pending", "pending_ref", "raw_value"]
 logger = logging.getLogger(__name__)
 
 _orphans: ThreadPoolExecutor | None = None
-_ORPHAN_WAIT_S = 3600.0  # how long a dropped call's result is waited for, to release its pins
 _orphans_lock = threading.Lock()
 
 
@@ -87,38 +85,42 @@ def _announce(state: Any, box: _Unsettled) -> None:
     box.queued_pins.clear()
 
 
-def _settle_orphan(box: _Unsettled) -> None:
-    """Finalizer of a ``Pending``: settle it in the background if nobody did."""
+def _orphan_pool() -> ThreadPoolExecutor:
     global _orphans
-    if box.settled:
-        return
     with _orphans_lock:
         if _orphans is None:
-            _orphans = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tensorwire-orphans")
-    _orphans.submit(_settle_orphan_now, box)
+            _orphans = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tensorwire-orphans")
+        return _orphans
 
 
-def _settle_orphan_now(box: _Unsettled) -> None:
-    """Wait for the call in short steps and stop once Ray is shut down: a thread that touches
-    Ray after ``ray.shutdown()`` makes Ray end the whole process (seen in the suite's load run:
-    pytest exited with status 1 and no report)."""
+def _settle_orphan(box: _Unsettled) -> None:
+    """Finalizer of a ``Pending``: settle it in the background if nobody did."""
+    if not box.settled:
+        _orphan_pool().submit(_watch_orphan, box)
+
+
+def _watch_orphan(box: _Unsettled) -> None:
+    """Have Ray report the end of a dropped call instead of waiting for it inside Ray: a
+    thread that is inside Ray when ``ray.shutdown()`` runs makes Ray end the whole process
+    (seen in the suite's load run: pytest exited with status 1 and no report). The one call
+    into Ray here returns at once."""
     import ray
 
-    deadline = time.monotonic() + _ORPHAN_WAIT_S
-    while True:
-        if not ray.is_initialized():
-            return  # Ray is gone, and with it the call and anything it pinned through Ray
-        try:
-            state = _state_of(raw_value(box.object_ref, 1.0))
-            break
-        except TimeoutError:
-            if time.monotonic() < deadline:
-                continue
-            logger.warning("a dropped call result was not ready after %.0f s; not released", _ORPHAN_WAIT_S)
-            return
-        except Exception:  # noqa: BLE001 - the call failed: it pinned nothing
-            return
+    if not ray.is_initialized():
+        return  # Ray is gone, and with it the call and anything it pinned through Ray
     try:
+        ended = box.object_ref.future()
+    except Exception:  # noqa: BLE001 - Ray is shutting down
+        return
+    ended.add_done_callback(lambda done: _orphan_pool().submit(_release_orphan, box, done))
+
+
+def _release_orphan(box: _Unsettled, done: Any) -> None:
+    """Release what a dropped call's result pinned, on tensorwire's thread (never Ray's)."""
+    if done.cancelled() or done.exception() is not None:
+        return  # the call failed (or Ray shut down): it pinned nothing
+    try:
+        state = _state_of(done.result())
         if not state.travels_inline:
             _announce(state, box)
             runtime_agent().consume_pin(state.desc, box.pin_id or state.pin_id)

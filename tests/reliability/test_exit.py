@@ -102,3 +102,51 @@ def test_a_test_stuck_where_signals_cannot_reach_is_reported_by_name(tmp_path):
     assert done.returncode != 0
     assert "Timeout" in output and "test_stuck_in_native_wait" in output, output[-2000:]
     assert elapsed < 100, f"the stuck test was only ended after {elapsed:.0f} s"
+
+
+_SHUTDOWN_WHILE_PENDING = """
+import gc, os, time
+import ray, torch
+import tensorwire as tw
+
+@tw.remote(num_cpus=0)
+class Slow:
+    def pid(self):
+        return os.getpid()
+
+    @tw.method
+    def slow(self, seconds, nbytes):
+        time.sleep(seconds)
+        return torch.ones(nbytes, dtype=torch.uint8)
+
+tw.init(address="local", num_cpus=2, include_dashboard=False)
+actor = Slow.remote()
+ray.get(actor.pid.remote())
+ref = actor.slow.remote(60, 1 << 20)  # beyond inline: its result pins an object
+del ref
+gc.collect()  # the dropped call is now settled in the background
+time.sleep(2)
+ray.shutdown()
+print("shut down", flush=True)
+time.sleep(3)  # a thread left waiting inside Ray would end the process about now
+print("still running", flush=True)
+"""
+
+
+def test_ray_shutdown_while_a_dropped_call_is_pending_leaves_the_process_running(tmp_path):
+    """A dropped ``@tw.method`` result is settled when its call ends. If Ray is shut down
+    first, the process goes on: Ray ends a process whose thread is inside Ray at shutdown
+    ("the core worker has already been shutdown ... the process will exit")."""
+    script = tmp_path / "shutdown_while_pending.py"
+    script.write_text(_SHUTDOWN_WHILE_PENDING)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "shut down\nstill running\n" in done.stdout, output[-3000:]
