@@ -21,6 +21,8 @@ Values that travel inline need none of this (their bytes are in the state), and 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import secrets
 import threading
@@ -38,7 +40,8 @@ __all__ = ["Pending", "pending_ref", "raw_value"]
 logger = logging.getLogger(__name__)
 
 _orphans: ThreadPoolExecutor | None = None
-_orphans_lock = threading.Lock()
+_orphans_lock = threading.RLock()  # also taken by finalizers, which may run inside it
+_kept_past_shutdown: list[Any] = []  # dropped calls' ObjectRefs that Ray was shut down under
 
 
 def _map_ray_error(error: BaseException) -> BaseException:
@@ -103,24 +106,38 @@ def _watch_orphan(box: _Unsettled) -> None:
     """Have Ray report the end of a dropped call instead of waiting for it inside Ray: a
     thread that is inside Ray when ``ray.shutdown()`` runs makes Ray end the whole process
     (seen in the suite's load run: pytest exited with status 1 and no report). The one call
-    into Ray here returns at once."""
+    into Ray here returns at once. A call that never ends keeps what it pinned until its
+    producer exits."""
     import ray
 
+    object_ref, box.object_ref = box.object_ref, None
     if not ray.is_initialized():
+        _kept_past_shutdown.append(object_ref)  # freeing it while Ray shuts down would end the process
         return  # Ray is gone, and with it the call and anything it pinned through Ray
     try:
-        ended = box.object_ref.future()
-    except Exception:  # noqa: BLE001 - Ray is shutting down
+        ended = object_ref.future()  # holds the reference until Ray reports the end
+    except Exception:  # noqa: BLE001 - Ray shut down since the check (its core worker is gone)
+        _kept_past_shutdown.append(object_ref)
         return
-    ended.add_done_callback(lambda done: _orphan_pool().submit(_release_orphan, box, done))
+    del object_ref
+    ended.add_done_callback(functools.partial(_report_end, box))
 
 
-def _release_orphan(box: _Unsettled, done: Any) -> None:
-    """Release what a dropped call's result pinned, on tensorwire's thread (never Ray's)."""
-    if done.cancelled() or done.exception() is not None:
-        return  # the call failed (or Ray shut down): it pinned nothing
+def _report_end(box: _Unsettled, ended: Any) -> None:
+    """On Ray's thread: hand the outcome, not the future (it holds the ``ObjectRef``), to a
+    tensorwire thread, so that the reference is freed on Ray's thread."""
+    failed = ended.cancelled() or ended.exception() is not None
+    with contextlib.suppress(RuntimeError):  # the interpreter is exiting: its thread pools are shut down
+        _orphan_pool().submit(_release_orphan, box, None if failed else ended.result())
+
+
+def _release_orphan(box: _Unsettled, value: Any) -> None:
+    """Release what a dropped call's result pinned (``value``: its state; None: the call
+    failed, and pinned nothing)."""
+    if value is None:
+        return
     try:
-        state = _state_of(done.result())
+        state = _state_of(value)
         if not state.travels_inline:
             _announce(state, box)
             runtime_agent().consume_pin(state.desc, box.pin_id or state.pin_id)
