@@ -1,10 +1,9 @@
-"""``nixl``: one-sided READ through NVIDIA's NIXL transfer engine (extra ``nixl``), found
-through the ``tensorwire.transports`` entry point. Backends: ``TENSORWIRE_NIXL_BACKENDS``
-(default ``UCX``). Host memory is verified here, CUDA memory is not. The producer registers each
-storage once (cached) and hands out a handle: metadata, a row per tensor, a liveness slot; the
-consumer loads metadata only when new, READs the tensors, then the slot's tag: no control call,
-every wait bounded. docs/architecture.md ("nixl details") says why each step is as it is.
-"""
+"""``nixl``: one-sided READ through NVIDIA's NIXL transfer engine (extra ``nixl``), found through the
+``tensorwire.transports`` entry point. Backends: ``TENSORWIRE_NIXL_BACKENDS`` (default ``UCX``). Host memory
+is verified here, CUDA memory is not. The producer registers each storage once (cached) and hands out a
+handle: metadata, a row per tensor, a liveness slot; the consumer loads metadata only when new, READs the
+tensors, then the slot's tag: no control call, every wait bounded. docs/architecture.md ("nixl details")
+says why each step is as it is."""
 
 from __future__ import annotations
 
@@ -27,7 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from tensorwire.errors import PermissionDeniedError, TransferTimeoutError, TransportError, TransportUnavailableError
+from tensorwire.errors import (
+    OwnerDiedError,
+    PermissionDeniedError,
+    TransferTimeoutError,
+    TransportError,
+    TransportUnavailableError,
+)
 from tensorwire.transport.base import Capabilities, FetchRequest, PeerInfo, StoredObject, Transport
 from tensorwire.transport.costs import CostEstimate, CostModel, MemoryKind, Placement
 
@@ -51,10 +56,8 @@ def nixl_api() -> Any:
     """NIXL's Python API module (``nixl._api``, else ``nixl_cu12._api``, else ``nixl_cu13._api``)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # else NIXL prints INFO lines to stdout
     for name in _MODULES:
-        try:
+        with contextlib.suppress(ImportError):
             return importlib.import_module(name)
-        except ImportError:
-            continue
     raise TransportUnavailableError("nixl: NIXL is not installed: pip install 'tensorwire[nixl]' (or nixl-cu12)")
 
 
@@ -137,8 +140,7 @@ class _Agent:
                     self.stats["hits"] += 1
                     self.regs.move_to_end(key)
             for vram in (False, True):
-                keys = [k for k in missing if k[2] is vram]
-                if not keys:
+                if not (keys := [k for k in missing if k[2] is vram]):
                     continue
                 mem = "VRAM" if vram else "DRAM"
                 self.nixl.register_memory([(k[0], k[1], k[3], "") for k in keys], mem)
@@ -278,9 +280,8 @@ def stats() -> dict[str, int]:
     if (agent := _process.get(os.getpid())) is None:
         return {}
     with agent.lock:
-        return {**agent.stats, "cached": len(agent.regs), "remote_agents": len(agent.remote),
-                "live_slots": _SLOTS - len(agent.free_table), "idle": len(agent.idle),
-                "stuck_reads": len(agent.stuck)}  # fmt: skip
+        return {**agent.stats, "cached": len(agent.regs), "remote_agents": len(agent.remote), "idle": len(agent.idle),
+                "live_slots": _SLOTS - len(agent.free_table), "stuck_reads": len(agent.stuck)}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -314,8 +315,7 @@ class _Handle:
                 (n,) = struct.unpack_from("!I", data, pos)
                 partials.append(bytes(data[pos + 4 : pos + 4 + n]))
                 pos += 4 + n
-            rids = tuple(int(r) for r in np.frombuffer(data, ">u8", n_rids, pos))
-            pos += 8 * n_rids
+            rids, pos = tuple(int(r) for r in np.frombuffer(data, ">u8", n_rids, pos)), pos + 8 * n_rids
             array = np.frombuffer(data, _ROW, n_rows, pos)
             if pos + array.nbytes != len(data):
                 raise TransportError("nixl: trailing bytes in handle")
@@ -390,8 +390,7 @@ class NixlTransport(Transport):
         return body + hmac.digest(obj.token, body, "sha256")[:_MAC]  # opened only with the object's token
 
     def release(self, obj: StoredObject) -> None:
-        state = obj.transport_state.pop(self.name, None)
-        agent = _process.get(os.getpid())
+        state, agent = obj.transport_state.pop(self.name, None), _process.get(os.getpid())
         if not isinstance(state, tuple) or agent is None:
             return
         regs, slot = state
@@ -439,9 +438,10 @@ class NixlTransport(Transport):
                 self.context.check_owner(request)  # raises ObjectFreedError / OwnerDiedError
                 raise TransportError(f"nixl: object {request.object_id.hex()} was freed by its owner")
         except Exception as e:  # a READ still running could overwrite a fallback's bytes: no fallback then
-            if not isinstance(e, TransferTimeoutError) and not any(agent.running(x) for x in unfinished):
+            final = isinstance(e, (TransferTimeoutError, OwnerDiedError))  # an exited owner sends nothing more
+            if not final and not any(agent.running(x) for x in unfinished):
                 agent.release(unfinished)  # none runs (ended, failed): nothing of theirs can land now
-            elif not isinstance(e, TransferTimeoutError):
+            elif not final:
                 raise TransferTimeoutError(f"nixl: a READ was still running when the fetch failed: {e}") from e
             raise
         finally:
