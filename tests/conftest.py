@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import sys
-import tempfile
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # only loopback traffic on test machines
 # Ray runs its workers at nice 15; next to busy processes at nice 0 (the load run,
@@ -122,21 +120,3 @@ def remote_worker():
     w = Worker(env={"TENSORWIRE_NODE_ID": "test-node-b"})
     yield w
     w.close()
-
-
-_made_stacks_dir: list[str] = []
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Name the folder where the tests' Ray actor processes write their stacks when a test is
-    about to time out (``tests/helpers/stacks.py``), unless a parent pytest named one."""
-    from tests.helpers.stacks import STACKS_ENV
-
-    if STACKS_ENV not in os.environ:
-        os.environ[STACKS_ENV] = tempfile.mkdtemp(prefix="tensorwire-test-stacks-")
-        _made_stacks_dir.append(os.environ[STACKS_ENV])
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    for folder in _made_stacks_dir:
-        shutil.rmtree(folder, ignore_errors=True)

@@ -5,12 +5,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import threading
 from collections.abc import Iterator
 
 import pytest
-
-from tests.helpers.stacks import STACKS_ON_SIGNAL, dump_ray_workers
 
 RAY_ENV = ("TENSORWIRE_NODE_ID", "TENSORWIRE_HOST", "TENSORWIRE_CLUSTER_TOKEN")
 
@@ -47,23 +44,9 @@ def ray_local():
     import tensorwire as tw
 
     with ray_session():
-        tw.init(address="local", num_cpus=4, include_dashboard=False, runtime_env=STACKS_ON_SIGNAL)
+        tw.init(address="local", num_cpus=4, include_dashboard=False)
         try:
             yield ray
         finally:
             gc.collect()
             ray.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def ray_worker_stacks_before_timeout(request: pytest.FixtureRequest) -> Iterator[None]:
-    """20 s before the per-test timeout, print the stacks of the Ray actor processes."""
-    timeout_s = float(request.config.getini("timeout") or 0)
-    timer = threading.Timer(max(1.0, timeout_s - 20), dump_ray_workers, args=(request.node.nodeid,))
-    timer.daemon = True
-    if timeout_s > 30:
-        timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
