@@ -150,7 +150,7 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, context: Any) -> None:
         super().__init__(context)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # forget_object runs from finalizers, which may run inside it
         self._opened: dict[bytes, list[torch.Tensor]] = {}  # object id -> the producer's tensors, mapped
         self._pending: dict[bytes, dict[torch.device, torch.cuda.Event]] = {}  # object id -> last copy per device
         self._alive_at: dict[tuple[int, int], float] = {}  # owner (pid, start time) -> last seen alive

@@ -78,7 +78,9 @@ class ShmTransport(Transport):
     def __init__(self, context: TransportContext) -> None:
         super().__init__(context)
         self._kept: collections.OrderedDict[tuple[bytes, bytes], int] = collections.OrderedDict()
-        self._kept_lock = threading.Lock()
+        # re-entrant: a reference's finalizer (forget_object) can run inside forget_object when an
+        # allocation there starts the garbage collector on this thread (seen as a hang under load)
+        self._kept_lock = threading.RLock()
         self._direct: collections.OrderedDict[tuple[bytes, bytes], cma.DirectRead] = collections.OrderedDict()
         self.copy_threads = COPY_THREADS
 
@@ -149,11 +151,11 @@ class ShmTransport(Transport):
 
     def forget_object(self, object_id: bytes) -> None:
         """Consumer: close the descriptors kept for ``object_id``."""
-        with self._kept_lock:
-            for key in [k for k in self._direct if k[0] == object_id]:
-                del self._direct[key]
-            keys = [k for k in self._kept if k[0] == object_id]
-            fds = [self._kept.pop(k) for k in keys]
+        with self._kept_lock:  # each dict copied first: a finalizer run meanwhile may change it
+            for key in [k for k in list(self._direct) if k[0] == object_id]:
+                self._direct.pop(key, None)
+            keys = [k for k in list(self._kept) if k[0] == object_id]
+            fds = [fd for fd in (self._kept.pop(k, None) for k in keys) if fd is not None]
         for fd in fds:
             os.close(fd)
 

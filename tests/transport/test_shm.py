@@ -323,3 +323,52 @@ def test_a_held_object_is_described_once(agent, worker, monkeypatch):
         assert int(out.sum()) == 5 << 20
     assert len(asked) == 1  # the addresses are kept while this process holds the reference
     assert tw.stats()["recent"][-1].transport == "shm"
+
+
+def test_forget_object_entered_again_by_a_finalizer_on_its_thread_finishes_and_closes_every_descriptor():
+    """A reference's finalizer calls ``forget_object``, and the garbage collector can run it on
+    a thread already inside ``forget_object`` (an allocation there starts a collection). That
+    must neither block (a consumer hung so under load) nor leave a descriptor open."""
+    import gc
+    import sys
+    import threading
+
+    from tensorwire.transport.shm import ShmTransport
+
+    transport = ShmTransport(None)
+    pipes = [os.pipe() for _ in range(3)]
+    for i, (read_end, write_end) in enumerate(pipes):
+        os.close(write_end)
+        transport._kept[(b"first" if i == 0 else b"other", bytes([i]))] = read_end
+    entered: list[bool] = []
+
+    def inside_forget_object_under_its_lock() -> bool:
+        lock = transport._kept_lock
+        held = lock._is_owned() if hasattr(lock, "_is_owned") else lock.locked()  # RLock or Lock
+        frame = sys._getframe(2)
+        while held and frame is not None and frame.f_code is not ShmTransport.forget_object.__code__:
+            frame = frame.f_back
+        return held and frame is not None
+
+    def finalizer_meanwhile(phase: str, _info: dict) -> None:
+        if phase == "start" and not entered and inside_forget_object_under_its_lock():
+            entered.append(True)
+            transport.forget_object(b"other")
+
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (transport.forget_object(b"first"), done.set()), daemon=True)
+    threshold = gc.get_threshold()
+    gc.callbacks.append(finalizer_meanwhile)
+    gc.set_threshold(1)
+    try:
+        worker.start()
+        worker.join(20)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(finalizer_meanwhile)
+    assert entered, "the collector never ran inside forget_object's lock: the test did not test it"
+    assert done.is_set(), "forget_object blocked when a finalizer entered it again on its thread"
+    assert not transport._kept
+    for read_end, _ in pipes:
+        with pytest.raises(OSError):
+            os.fstat(read_end)
