@@ -129,7 +129,9 @@ class LiveWords:
     def __init__(self) -> None:
         self._chunks: list[ctypes.Array[ctypes.c_uint64]] = []
         self._free: list[tuple[int, int]] = []
-        self._lock = threading.Lock()
+        # Re-entrant: a reference's finalizer frees objects (clear) and the garbage collector
+        # may run it inside take, on this thread (making a chunk allocates).
+        self._lock = threading.RLock()
 
     def take(self) -> tuple[tuple[int, int], int, int]:
         """A slot, its address and its nonce (written in the slot)."""
@@ -137,7 +139,8 @@ class LiveWords:
             if not self._free:
                 self._chunks.append((ctypes.c_uint64 * self._CHUNK)())
                 index = len(self._chunks) - 1
-                self._free = [(index, i) for i in range(self._CHUNK - 1, -1, -1)]
+                fresh = [(index, i) for i in range(self._CHUNK - 1, -1, -1)]
+                self._free.extend(fresh)  # keeps a slot a finalizer gave back meanwhile
             slot = self._free.pop()
         nonce = secrets.randbits(64) | 1  # never 0: a cleared word
         chunk = self._chunks[slot[0]]

@@ -131,7 +131,7 @@ class _Offer:
         self, token: bytes, fd: int, nbytes: int, make: Callable[[], tuple[int, int]] | None, addresses: bytes
     ) -> None:
         self.token, self.fd, self.nbytes, self.make, self.addresses = token, fd, nbytes, make, addresses
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a finalizer run inside make() may withdraw this offer
 
 
 class FdServer:
@@ -142,7 +142,7 @@ class FdServer:
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, f"{secrets.token_hex(8)}.fds")
         self._segments: dict[bytes, _Offer] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # withdraw() runs in finalizers
         self._closed = threading.Event()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
@@ -194,10 +194,14 @@ class FdServer:
         with entry.lock:  # withdraw() cannot close the descriptor while it is duplicated
             if entry.fd == -1 and entry.make is not None:
                 try:
-                    entry.fd, entry.nbytes = entry.make()
+                    fd, nbytes = entry.make()
                 except Exception as e:  # noqa: BLE001 - the consumer falls back to another transport
                     logger.warning("fd server: could not make a segment: %s", e)
                     return FdStatus.UNKNOWN, -1, 0, b""
+                if entry.fd == -2:  # withdrawn meanwhile (a finalizer ran inside make())
+                    os.close(fd)
+                    return FdStatus.UNKNOWN, -1, 0, b""
+                entry.fd, entry.nbytes = fd, nbytes
             if entry.fd < 0:
                 return FdStatus.UNKNOWN, -1, 0, b""
             return FdStatus.OK, os.dup(entry.fd), entry.nbytes, b""

@@ -105,7 +105,8 @@ class Outbox:
         self._may_be_alive = may_be_alive
         self._retry_for_s = retry_for_s
         self._rpc_timeout_s = rpc_timeout_s
-        self._queue: queue.Queue[_Queued | _Answer | None] = queue.Queue()
+        # SimpleQueue: its put() is re-entrant, and finalizers of references send from any thread
+        self._queue: queue.SimpleQueue[_Queued | _Answer | None] = queue.SimpleQueue()
         self._lanes: dict[str, _Lane] = {}  # owner agent id -> its lane
         self._pending = 0
         self._closed = False

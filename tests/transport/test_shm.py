@@ -23,6 +23,7 @@ import tensorwire as tw
 from tensorwire.transport import cma, memfd, shm
 from tests.helpers.observe import memfd_segments, segment_names, wait_until
 from tests.helpers.procs import Worker
+from tests.helpers.reentry import collector_reenters
 from tests.helpers.tasks import digest
 
 
@@ -329,10 +330,6 @@ def test_forget_object_entered_again_by_a_finalizer_on_its_thread_finishes_and_c
     """A reference's finalizer calls ``forget_object``, and the garbage collector can run it on
     a thread already inside ``forget_object`` (an allocation there starts a collection). That
     must neither block (a consumer hung so under load) nor leave a descriptor open."""
-    import gc
-    import sys
-    import threading
-
     from tensorwire.transport.shm import ShmTransport
 
     transport = ShmTransport(None)
@@ -340,35 +337,59 @@ def test_forget_object_entered_again_by_a_finalizer_on_its_thread_finishes_and_c
     for i, (read_end, write_end) in enumerate(pipes):
         os.close(write_end)
         transport._kept[(b"first" if i == 0 else b"other", bytes([i]))] = read_end
-    entered: list[bool] = []
-
-    def inside_forget_object_under_its_lock() -> bool:
-        lock = transport._kept_lock
-        held = lock._is_owned() if hasattr(lock, "_is_owned") else lock.locked()  # RLock or Lock
-        frame = sys._getframe(2)
-        while held and frame is not None and frame.f_code is not ShmTransport.forget_object.__code__:
-            frame = frame.f_back
-        return held and frame is not None
-
-    def finalizer_meanwhile(phase: str, _info: dict) -> None:
-        if phase == "start" and not entered and inside_forget_object_under_its_lock():
-            entered.append(True)
-            transport.forget_object(b"other")
-
-    done = threading.Event()
-    worker = threading.Thread(target=lambda: (transport.forget_object(b"first"), done.set()), daemon=True)
-    threshold = gc.get_threshold()
-    gc.callbacks.append(finalizer_meanwhile)
-    gc.set_threshold(1)
-    try:
-        worker.start()
-        worker.join(20)
-    finally:
-        gc.set_threshold(*threshold)
-        gc.callbacks.remove(finalizer_meanwhile)
+    entered, finished = collector_reenters(
+        lambda: transport.forget_object(b"first"),
+        inside=ShmTransport.forget_object,
+        lock=transport._kept_lock,
+        reenter=lambda: transport.forget_object(b"other"),
+    )
     assert entered, "the collector never ran inside forget_object's lock: the test did not test it"
-    assert done.is_set(), "forget_object blocked when a finalizer entered it again on its thread"
+    assert finished, "forget_object blocked when a finalizer entered it again on its thread"
     assert not transport._kept
     for read_end, _ in pipes:
         with pytest.raises(OSError):
             os.fstat(read_end)
+
+
+def test_a_slot_freed_by_a_finalizer_while_live_words_grow_is_kept_and_nothing_blocks():
+    """Making a new chunk of live words allocates thousands of objects, so a collection can
+    run inside take's lock and a finalizer there frees an object (clear). It must not block,
+    and the slot it gave back must stay takeable."""
+    words = cma.LiveWords()
+    first = [words.take()[0] for _ in range(cma.LiveWords._CHUNK)]  # the first chunk, all taken
+    entered, finished = collector_reenters(
+        words.take, inside=cma.LiveWords.take, lock=words._lock, reenter=lambda: words.clear(first[0])
+    )
+    assert entered, "the collector never ran inside take's lock: the test did not test it"
+    assert finished, "take blocked when a finalizer freed a slot on its thread"
+    later = {words.take()[0] for _ in range(cma.LiveWords._CHUNK)}
+    assert first[0] in later and len(later) == cma.LiveWords._CHUNK  # all distinct, the freed one among them
+
+
+def test_an_offer_withdrawn_while_its_segment_is_made_answers_unknown_and_closes_the_segment(tmp_path):
+    """A finalizer run inside a lazy segment's ``make()`` (it allocates) may free that very
+    object: the server withdraws the offer on the same thread. That must not block the
+    server, and the segment made meanwhile must be closed, not served or leaked."""
+    server, client = memfd.FdServer(str(tmp_path)), memfd.FdClient()
+    made: list[int] = []
+    inodes: list[int] = []
+
+    def make() -> tuple[int, int]:
+        made.append(memfd.create_memfd(4096))
+        inodes.append(os.fstat(made[-1]).st_ino)
+        server.withdraw(b"k" * 16)  # what the finalizer does
+        return made[-1], 4096
+
+    try:
+        server.offer_lazy(b"k" * 16, b"t" * 16, make, addresses=b"")
+        with pytest.raises(memfd.SegmentUnknownError):
+            client.receive(server.path, b"k" * 16, b"t" * 16, deadline=time.monotonic() + 20)
+        assert len(made) == 1
+        try:  # closed by the server (its number may be in use again, for something else)
+            still_open = os.fstat(made[0]).st_ino == inodes[0]
+        except OSError:
+            still_open = False
+        assert not still_open
+    finally:
+        client.close()
+        server.close()
