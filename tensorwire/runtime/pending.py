@@ -21,13 +21,12 @@ Values that travel inline need none of this (their bytes are in the state), and 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
+import queue
 import secrets
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +38,13 @@ __all__ = ["Pending", "pending_ref", "raw_value"]
 
 logger = logging.getLogger(__name__)
 
-_orphans: ThreadPoolExecutor | None = None
-_orphans_lock = threading.RLock()  # also taken by finalizers, which may run inside it
+# Steps of dropped calls' settlement, run in order by one tensorwire thread: (function, args).
+# Finalizers and Ray's thread only put here: SimpleQueue.put takes no lock a finalizer could
+# already hold on its thread (a thread pool's submit takes plain locks, and a collection run
+# inside any pool's submit, with the finalizer submitting again, blocked that thread for ever).
+_settlement: queue.SimpleQueue[tuple[Any, tuple[Any, ...]]] = queue.SimpleQueue()
+_settler: threading.Thread | None = None
+_settler_lock = threading.Lock()
 _kept_past_shutdown: list[Any] = []  # dropped calls' ObjectRefs that Ray was shut down under
 
 
@@ -88,18 +92,29 @@ def _announce(state: Any, box: _Unsettled) -> None:
     box.queued_pins.clear()
 
 
-def _orphan_pool() -> ThreadPoolExecutor:
-    global _orphans
-    with _orphans_lock:
-        if _orphans is None:
-            _orphans = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tensorwire-orphans")
-        return _orphans
+def _start_settler() -> None:
+    """Start the settlement thread (again, in a forked child) from ordinary code: never from
+    a finalizer, as starting a thread takes plain locks."""
+    global _settler
+    with _settler_lock:
+        if _settler is None or not _settler.is_alive():
+            _settler = threading.Thread(target=_settle_forever, name="tensorwire-orphans", daemon=True)
+            _settler.start()
+
+
+def _settle_forever() -> None:
+    while True:
+        function, args = _settlement.get()
+        try:
+            function(*args)
+        except Exception:  # the thread must live on: later dropped calls depend on it
+            logger.warning("settling a dropped call failed", exc_info=True)
 
 
 def _settle_orphan(box: _Unsettled) -> None:
     """Finalizer of a ``Pending``: settle it in the background if nobody did."""
     if not box.settled:
-        _orphan_pool().submit(_watch_orphan, box)
+        _settlement.put((_watch_orphan, (box,)))
 
 
 def _watch_orphan(box: _Unsettled) -> None:
@@ -127,8 +142,7 @@ def _report_end(box: _Unsettled, ended: Any) -> None:
     """On Ray's thread: hand the outcome, not the future (it holds the ``ObjectRef``), to a
     tensorwire thread, so that the reference is freed on Ray's thread."""
     failed = ended.cancelled() or ended.exception() is not None
-    with contextlib.suppress(RuntimeError):  # the interpreter is exiting: its thread pools are shut down
-        _orphan_pool().submit(_release_orphan, box, None if failed else ended.result())
+    _settlement.put((_release_orphan, (box, None if failed else ended.result())))
 
 
 def _release_orphan(box: _Unsettled, value: Any) -> None:
@@ -157,6 +171,7 @@ class Pending:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         if not staged:
+            _start_settler()
             weakref.finalize(self, _settle_orphan, self._box).atexit = False
 
     def done(self) -> bool:

@@ -443,7 +443,8 @@ class Transport(ABC):
         raise TransportUnavailableError(f"transport {self.name!r} does not export handles")
 
     def release(self, obj: StoredObject) -> None:  # noqa: B027 - optional hook
-        """Producer, when ``obj`` is freed: drop every resource tied to it. Must not raise."""
+        """Producer, when ``obj`` is freed: drop every resource tied to it. Must not raise, and
+        may run again (an export that raced the free releases once more after it)."""
 
     def serve(self, obj: StoredObject, params: bytes) -> Iterator[bytes]:
         """Producer, on an agent service thread: answer one consumer's two-sided fetch.

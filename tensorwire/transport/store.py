@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tensorwire.errors import ObjectFreedError, PermissionDeniedError, TensorwireError, TransportError
-from tensorwire.transport.base import ObjectDescriptor, StoredObject
+from tensorwire.transport.base import ObjectDescriptor, StoredObject, Transport
 from tensorwire.transport.config import Config
 from tensorwire.transport.instances import LoadedTransports
 
@@ -130,17 +130,15 @@ class ObjectStore:
         with self._lock:
             return len(self._objects)
 
+    # Walks go over a snapshot: a finalizer run in the loop (it allocates) may free an entry.
     def nbytes(self) -> int:
-        with self._lock:
-            return sum(e.stored.nbytes for e in self._objects.values())
+        return sum(e.stored.nbytes for e in self.entries())
 
     def sharing(self, storage_ptrs: frozenset[int]) -> int:
         """How many entries hold a tensor stored at one of ``storage_ptrs``."""
-        with self._lock:
-            return sum(
-                any(t.untyped_storage().data_ptr() in storage_ptrs for t in e.stored.tensors)
-                for e in self._objects.values()
-            )
+        return sum(
+            any(t.untyped_storage().data_ptr() in storage_ptrs for t in e.stored.tensors) for e in self.entries()
+        )
 
     # ------------------------------------------------------------------ exports
 
@@ -181,6 +179,8 @@ class ObjectStore:
                     e,
                 )
                 continue
+            if self._released_if_freed(entry, transport):
+                return {}
             if handle is not None:
                 handles[name] = handle
                 if transport.capabilities.carries_value:
@@ -209,6 +209,8 @@ class ObjectStore:
                 handle = transport.export(entry.stored)
             except TensorwireError as e:
                 raise TransportError(f"{name} export failed: {e}") from None
+            if self._released_if_freed(entry, transport):
+                raise ObjectFreedError(f"object {entry.stored.object_id.hex()} was freed while it was exported")
             if handle is None:
                 limit = f"; {name} takes at most {self._config().inline_max_nbytes} (TENSORWIRE_INLINE_NBYTES)"
                 raise TransportError(
@@ -218,6 +220,15 @@ class ObjectStore:
             if not per_consumer:  # a per-consumer handle is this consumer's alone
                 entry.handles = {**(entry.handles or {}), name: handle}
             return handle
+
+    def _released_if_freed(self, entry: Entry, transport: Transport) -> bool:
+        """After an export: if the entry was freed meanwhile (by another thread, or by a
+        finalizer run inside the export), its release may have come before the export kept
+        its state; release again (releases are idempotent) so nothing stays offered."""
+        if self.is_live(entry):
+            return False
+        transport.release(entry.stored)
+        return True
 
     # ------------------------------------------------------------------ freeing
 

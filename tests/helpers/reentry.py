@@ -16,6 +16,8 @@ from typing import Any
 
 
 def _holds(lock: Any) -> bool:
+    if lock is None:
+        return True
     return lock._is_owned() if hasattr(lock, "_is_owned") else lock.locked()  # RLock or Lock
 
 
@@ -27,16 +29,22 @@ def _inside(code: CodeType) -> bool:
 
 
 def collector_reenters(
-    call: Callable[[], object], *, inside: Callable[..., object], lock: Any, reenter: Callable[[], object]
+    call: Callable[[], object],
+    *,
+    inside: Callable[..., object] | CodeType,
+    lock: Any,
+    reenter: Callable[[], object],
 ) -> tuple[bool, bool]:
     """Run ``call()`` on a thread, collecting at every allocation; the first collection that
-    starts on it while it runs ``inside`` (a function) holding ``lock`` runs ``reenter()``
-    there first. Returns (whether that happened, whether ``call`` returned within 20 s)."""
+    starts on it while it runs ``inside`` (a function, or a code object such as a loop's
+    generator) holding ``lock`` (None: any time inside) runs ``reenter()`` there first.
+    Returns (whether that happened, whether ``call`` returned within 20 s)."""
     entered: list[bool] = []
     done = threading.Event()
+    code = inside if isinstance(inside, CodeType) else inside.__code__
 
     def meanwhile(phase: str, _info: dict) -> None:
-        if phase == "start" and not entered and _holds(lock) and _inside(inside.__code__):
+        if phase == "start" and not entered and _holds(lock) and _inside(code):
             entered.append(True)
             reenter()
 
