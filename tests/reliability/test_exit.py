@@ -20,9 +20,11 @@ CROSS_NODE = ("host", "gloo", "ucx")
 
 
 def _usable(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names``, and nixl where it is installed (it is in the test extra)."""
     if importlib.util.find_spec("ucxx") is None:
         pytest.skip("ucxx is not installed (pip install 'tensorwire[ucx]'); the ucx cycles need it")
-    return names
+    nixl = any(importlib.util.find_spec(package) for package in ("nixl", "nixl_cu12", "nixl_cu13"))
+    return (*names, "nixl") if nixl else names
 
 
 @pytest.mark.parametrize("cycles", [pytest.param(30, marks=pytest.mark.slow), 2])
