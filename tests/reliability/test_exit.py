@@ -29,7 +29,7 @@ def _usable(names: tuple[str, ...]) -> tuple[str, ...]:
 
 @pytest.mark.parametrize("cycles", [pytest.param(30, marks=pytest.mark.slow), 2])
 def test_start_transfer_exit_cycles_each_exit_promptly(cycles):
-    """30 cycles (``-m slow``; about 2 minutes here) or 2, one of each kind (the default
+    """30 cycles (``-m slow``; about 4 minutes here, nixl included) or 2, one of each kind (the default
     suite). Even cycles: two processes of one node, every same-node transport; odd cycles: two
     claimed nodes, every cross-node transport. Each process must exit by itself (exit code 0)
     within the bound after its transfers, whatever native library it used."""
