@@ -405,7 +405,7 @@ class TransportContext(ABC):
     def check_owner(self, request: FetchRequest) -> None:
         """Consumer: raise ``OwnerDiedError``/``ObjectFreedError``/... if the object is gone.
 
-        Used by one-sided transports when their handle no longer resolves.
+        Used when a handle no longer resolves or an operation failed, to name the cause.
         """
 
     def holds(self, object_id: bytes) -> bool:

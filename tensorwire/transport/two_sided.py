@@ -332,7 +332,12 @@ class TwoSidedTransport(Transport):
             answer = list(self.context.open_stream(request, self.name, params))
             if answer != [_POSTED]:
                 raise TransferAbortedError(f"{what}: the owner did not post its sends")
-            posted.wait(request.deadline, check, what)
+            try:
+                posted.wait(request.deadline, check, what)
+            except TransportError as e:
+                if type(e) is TransportError:  # an operation failed: the owner gone says why
+                    self.context.check_owner(request)
+                raise
         except BaseException as e:
             posted.abort()
             self._drop(connection)
