@@ -89,12 +89,27 @@ def skipped() -> bool:
 # ---------------------------------------------------------------- run inside the workers
 
 
+def _make_agent(api: Any, name: str) -> Any:
+    """One agent, UCX backend, its progress thread pausing ``BARE_NIXL_PROGRESS_US`` between
+    polls (default 1000, the pause tensorwire's nixl transport sets; 0 is NIXL's default, a
+    spin). The spin keeps a core busy in each process for as long as it lives (measured: 2.0
+    CPU-s in 2 s idle, 0.07 with a pause): on two cores the two bare processes would slow
+    every method measured beside them, tensorwire's rounds included."""
+    pause_us = int(os.environ.get("BARE_NIXL_PROGRESS_US", "1000"))
+    bind, make = api.nixlBind, api.nixlBind.nixlAgent  # called with the config the API built
+    bind.nixlAgent = lambda agent_name, config: (setattr(config, "pthrDelay", pause_us), make(agent_name, config))[1]
+    try:
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    finally:
+        bind.nixlAgent = make
+
+
 def start(role: str) -> bytes:
     """Make this process's agent (once); returns its full metadata."""
     if "agent" not in _state:
         api = nixl_api()
         name = f"bare-{role}-{os.getpid()}"
-        _state["agent"] = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        _state["agent"] = _make_agent(api, name)
         _state["regs"] = {}  # key -> (tensors, reg descs)
     return _state["agent"].get_agent_metadata()
 
