@@ -23,7 +23,7 @@ from tensorwire.runtime import values
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ray_env import configure_process
 from tensorwire.runtime.ref import Ref, RefState
-from tensorwire.transport import topology
+from tensorwire.transport import meta_wire, topology
 from tensorwire.transport.base import MemoryKind, ObjectDescriptor, TensorKind, TensorMeta
 from tensorwire.transport.config import validate_timeout
 from tensorwire.transport.host_pool import fill_from_pool
@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
-
 
 _RAY_START_ATTEMPTS = 3
 
@@ -128,7 +127,7 @@ def register_tensors(tensors: list[torch.Tensor], kinds: list[TensorKind] | None
     metas = tuple(
         TensorMeta(
             shape=tuple(t.shape),
-            dtype=str(t.dtype).removeprefix("torch."),
+            dtype=meta_wire.dtype_name(t.dtype),
             device=str(t.device),
             nbytes=t.numel() * t.element_size(),
             offset=offset,
@@ -156,7 +155,7 @@ def target_device(meta: TensorMeta, device: str | torch.device | None) -> torch.
     current GPU, else the CPU."""
     if device is not None:
         return torch.device(device)
-    target = torch.device(meta.device)
+    target = meta_wire.device(meta.device)
     if target.type == "cuda":
         if not torch.cuda.is_available():
             return torch.device("cpu")  # no GPU here: land on the host
@@ -169,10 +168,10 @@ def target_device(meta: TensorMeta, device: str | torch.device | None) -> torch.
 
 def _check_out(buffer: Any, meta: TensorMeta, index: int) -> torch.Tensor:
     tensor = torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else buffer
-    if tuple(tensor.shape) != meta.shape or str(tensor.dtype).removeprefix("torch.") != meta.dtype:
+    if tensor.shape != meta.shape or meta_wire.dtype_name(tensor.dtype) != meta.dtype:
         raise ValueError(
             f"out buffer for tensor {index} has shape {tuple(tensor.shape)} and dtype "
-            f"{str(tensor.dtype).removeprefix('torch.')}, the value has shape {meta.shape} and dtype {meta.dtype}"
+            f"{meta_wire.dtype_name(tensor.dtype)}, the value has shape {meta.shape} and dtype {meta.dtype}"
         )
     return tensor
 
@@ -187,6 +186,8 @@ def _matched_out(
 
 def _targets(metas: tuple[TensorMeta, ...], device: Any) -> list[torch.device]:
     """``target_device`` of every tensor, worked out once per distinct placement."""
+    if metas and meta_wire.facts(metas).placements == 1:
+        return [target_device(metas[0], device)] * len(metas)
     known: dict[tuple[str, str], torch.device] = {}
     result = []
     for meta in metas:
@@ -241,7 +242,7 @@ def _get_staged(ref: Ref, device: Any, out: Any, timeout_s: float | None) -> Any
         return value
     skeleton, tensors, kinds = values.flatten(value)
     metas = tuple(
-        TensorMeta(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), 0, 0, kind)
+        TensorMeta(tuple(t.shape), meta_wire.dtype_name(t.dtype), str(t.device), 0, 0, kind)
         for t, kind in zip(tensors, kinds, strict=True)
     )
     return _place(skeleton, tensors, metas, _targets(metas, device), _matched_out(skeleton, out, metas))
@@ -286,7 +287,7 @@ def _get_one(
         dst = []  # receive straight into the caller's memory where it is contiguous
         for i in range(len(desc.metas)):
             buffer = out_tensors.get(i)
-            usable = buffer is not None and buffer.device.type in ("cpu", "cuda") and buffer.is_contiguous()
+            usable = buffer is not None and (buffer.is_cpu or buffer.is_cuda) and buffer.is_contiguous()
             dst.append(buffer if usable else None)
     targets = _targets(desc.metas, device)
     lease = fill_from_pool(agent.host_pool, desc.metas, desc.packed_nbytes, dst, targets) if pooled and dst else None

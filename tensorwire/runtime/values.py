@@ -255,6 +255,10 @@ def flatten(value: Any) -> tuple[Any, list[torch.Tensor], list[TensorKind]]:
 
 def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
     """``skeleton`` with every :class:`Slot` replaced by its leaf."""
+    if type(skeleton) is list and all(isinstance(item, Slot) for item in skeleton):  # a list of tensors
+        return [leaves[item.index] for item in skeleton]
+    if type(skeleton) is dict and all(isinstance(item, Slot) for item in skeleton.values()):  # a state dict
+        return {key: leaves[item.index] for key, item in skeleton.items()}
     return transform(skeleton, lambda item, _path: leaves[item.index] if isinstance(item, Slot) else DESCEND)
 
 
@@ -264,8 +268,27 @@ def match_out(skeleton: Any, out: Any) -> dict[int, Any]:
     Raises:
         ValueError: ``out`` does not have the value's structure (the message names the path).
     """
+    found = _match_flat(skeleton, out)
+    if found is None:
+        found = {}
+        _match(skeleton, out, "", found)
+    return found
+
+
+def _match_flat(skeleton: Any, out: Any) -> dict[int, Any] | None:
+    """:func:`match_out` of a plain list or dict of tensors (a state dict) in one pass; None for
+    any other value, or when something does not match (the full walk then names the path)."""
+    if type(skeleton) is list and isinstance(out, (list, tuple)) and len(out) == len(skeleton):
+        pairs: Any = zip(skeleton, out, strict=True)
+    elif type(skeleton) is dict and isinstance(out, dict) and skeleton.keys() <= out.keys():
+        pairs = ((item, out[key]) for key, item in skeleton.items())
+    else:
+        return None
     found: dict[int, Any] = {}
-    _match(skeleton, out, "", found)
+    for item, target in pairs:
+        if not isinstance(item, Slot) or not isinstance(target, (torch.Tensor, np.ndarray)):
+            return None
+        found.setdefault(item.index, target)
     return found
 
 

@@ -25,9 +25,8 @@ every transport          ``fetch`` (consumer), ``release`` (producer, may be a n
 =======================  ==========================================================
 
 A transport also declares its default :class:`CostModel` (``cost_model``); the selector ranks
-by it until ``tensorwire bench --calibrate`` measured this machine.
-
-This module imports neither torch nor Ray at import time.
+by it until ``tensorwire bench --calibrate`` measured this machine. This module imports neither
+torch nor Ray at import time.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tensorwire.errors import TransportUnavailableError
+from tensorwire.transport import meta_wire
 from tensorwire.transport.costs import CostEstimate, CostModel, MemoryKind, Placement
 
 if TYPE_CHECKING:
@@ -222,10 +222,11 @@ class ObjectDescriptor:
     owner: PeerInfo
     metas: tuple[TensorMeta, ...]
     packed_nbytes: int
+    __reduce__ = meta_wire.reduce_descriptor  # pickled with the metadata as plain rows, memoised
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.metas)
+        return meta_wire.facts(self.metas).nbytes
 
     def __repr__(self) -> str:  # never show the token
         return f"ObjectDescriptor(id={self.object_id.hex()}, owner={self.owner.agent_id}, tensors={len(self.metas)})"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,14 +25,13 @@ from tensorwire.errors import (
     TensorwireError,
     TransferTimeoutError,
 )
-from tensorwire.transport import selector, topology
+from tensorwire.transport import meta_wire, selector, topology
 from tensorwire.transport.base import (
     Capabilities,
     FetchRequest,
     MemoryKind,
     ObjectDescriptor,
     PeerInfo,
-    TensorKind,
     TensorMeta,
 )
 from tensorwire.transport.instances import LoadedTransports
@@ -42,7 +40,6 @@ from tensorwire.transport.peer_client import PeerClient
 
 __all__ = ["FetchDispatch", "destinations", "hold_while_alive", "summarize"]
 
-_FOREIGN_KINDS = frozenset({TensorKind.CUPY, TensorKind.DLPACK})  # memory torch did not allocate
 _MEMO_SIZE = 1024  # selector answers remembered
 
 
@@ -54,33 +51,38 @@ def destinations(
 ) -> list[torch.Tensor]:
     """The tensors a transport fills: the caller's buffers where the transport can write
     their memory, else new tensors on the target (CUDA only for CUDA-capable transports)."""
-
-    def writable(device: torch.device) -> bool:
-        return device.type == "cpu" or (device.type == "cuda" and MemoryKind.CUDA in caps.memory)
-
+    cuda = MemoryKind.CUDA in caps.memory
+    cpu = torch.device("cpu")
     result = []
     for i, meta in enumerate(metas):
         given = dst[i] if dst is not None else None
-        target = targets[i] if targets else torch.device("cpu")
-        if given is not None and writable(given.device):
+        if given is not None and (given.is_cpu or (cuda and given.is_cuda)):
             result.append(given)
-        else:
-            device = target if writable(target) else torch.device("cpu")
-            result.append(torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=device))
+            continue
+        target = targets[i] if targets else cpu
+        device = target if target.type == "cpu" or (cuda and target.type == "cuda") else cpu
+        result.append(torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=device))
     return result
+
+
+def _with_handle(request: FetchRequest, handle: bytes | None) -> FetchRequest:
+    """``request`` with ``handle`` (built directly: ``dataclasses.replace`` costs microseconds)."""
+    r = request
+    return FetchRequest(r.object_id, r.token, r.owner, r.metas, r.packed_nbytes, handle, r.deadline)
 
 
 def summarize(
     desc: ObjectDescriptor, handles: dict[str, bytes], targets: Sequence[torch.device] | None
 ) -> selector.ObjectSummary:
     """What the selector needs to know about one fetch of ``desc``."""
+    known = meta_wire.facts(desc.metas)
     return selector.ObjectSummary(
-        nbytes=desc.nbytes,
-        memory=frozenset(m.memory for m in desc.metas) or frozenset({MemoryKind.HOST}),
+        nbytes=known.nbytes,
+        memory=known.memory,
         exported=frozenset(handles),
-        foreign_memory=any(m.memory is MemoryKind.CUDA and m.kind in _FOREIGN_KINDS for m in desc.metas),
-        src_devices=frozenset(m.device_uuid for m in desc.metas if m.device_uuid),
-        dst_devices=frozenset(topology.cuda_uuid(t.index or 0) for t in (targets or ()) if t.type == "cuda"),
+        foreign_memory=known.foreign_memory,
+        src_devices=known.src_devices,
+        dst_devices=frozenset(topology.cuda_uuid(t.index or 0) for t in set(targets or ()) if t.type == "cuda"),
     )
 
 
@@ -169,7 +171,7 @@ class FetchDispatch:
         names += [n for n in carriers if n not in names]
         errors: list[str] = []
         for name in names:
-            attempt = replace(request, handle=handles.get(name))
+            attempt = _with_handle(request, handles.get(name))
             start = time.perf_counter()
             try:
                 if time.monotonic() >= deadline:
@@ -208,7 +210,7 @@ class FetchDispatch:
         """One transport's try: (tensors, whether they are zero-copy views)."""
         instance = self._transports[name]
         if request.handle is None and instance.capabilities.needs_export:
-            request = replace(request, handle=self._client.export(request, name))
+            request = _with_handle(request, self._client.export(request, name))
         if instance.capabilities.peer_setup:
             self._transports.peer_setup.ensure(instance, desc.owner)
         if view and instance.capabilities.zero_copy_view:

@@ -104,6 +104,25 @@ def test_match_out_by_structure():
         match_out(skeleton, {"a": a, "b": []})
 
 
+def test_flat_lists_and_state_dicts_match_and_rebuild_like_any_value():
+    """A plain list or dict of tensors takes a one-pass path; the answers and the errors are
+    those of the full walk (the same slot twice keeps its first buffer)."""
+    a, b, c = torch.empty(1), torch.empty(2), torch.empty(3)
+    assert match_out([Slot(0), Slot(1), Slot(0)], (a, b, c)) == {0: a, 1: b}
+    assert match_out({"x": Slot(1), "y": Slot(0)}, {"y": a, "x": b, "extra": c}) == {0: a, 1: b}
+    with pytest.raises(ValueError, match=r"out: expected a sequence of length 2"):
+        match_out([Slot(0), Slot(1)], [a])
+    with pytest.raises(ValueError, match=r"out\[1\]: expected a tensor to receive into, got str"):
+        match_out([Slot(0), Slot(1)], [a, "b"])
+    with pytest.raises(ValueError, match=r"out: missing key 'y'"):
+        match_out({"x": Slot(0), "y": Slot(1)}, {"x": a})
+    assert unflatten([Slot(1), Slot(0)], [a, b]) == [b, a]
+    rebuilt = unflatten({"x": Slot(1), "y": Slot(0)}, [a, b])
+    assert type(rebuilt) is dict and list(rebuilt.items()) == [("x", b), ("y", a)]
+    mixed = unflatten({"x": Slot(0), "n": 3}, [a])  # not only tensors: the full walk
+    assert mixed == {"x": a, "n": 3}
+
+
 class _DLPackOnly:
     """A producer that offers its data only through the DLPack protocol (like cupy or JAX)."""
 

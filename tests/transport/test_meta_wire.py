@@ -1,0 +1,71 @@
+"""Descriptors in pickled references: metadata as plain rows, the same layout decoded once,
+facts about the tensors worked out once, every memo bounded, malformed rows refused."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tensorwire.transport import meta_wire
+from tensorwire.transport.base import MemoryKind, ObjectDescriptor, PeerInfo, TensorKind, TensorMeta
+
+OWNER = PeerInfo(agent_id="owner", node_id="n", machine_id="m", hostname="h", pid=2, start_time=1)
+
+
+def _metas(count: int, nbytes: int = 64, device: str = "cpu") -> tuple[TensorMeta, ...]:
+    return tuple(TensorMeta((nbytes // 4,), "float32", device, nbytes, i * nbytes) for i in range(count))
+
+
+def _descriptor(metas: tuple[TensorMeta, ...], object_id: bytes = b"o" * 16) -> ObjectDescriptor:
+    return ObjectDescriptor(object_id, b"t" * 16, OWNER, metas, sum(m.nbytes for m in metas))
+
+
+def test_a_descriptor_round_trips_and_a_layout_seen_before_decodes_to_the_same_metadata():
+    metas = (*_metas(3), TensorMeta((2, 3), "bfloat16", "cuda:1", 12, 192, TensorKind.CUPY, "GPU-x"))
+    desc = _descriptor(metas)
+    again = pickle.loads(pickle.dumps(desc))
+    assert again == desc and again.owner == OWNER and again.nbytes == 3 * 64 + 12
+    other_object = pickle.loads(pickle.dumps(_descriptor(tuple(replace(m) for m in metas), b"p" * 16)))
+    assert other_object.object_id == b"p" * 16 and other_object.metas is again.metas  # decoded once
+    assert meta_wire.rows(desc.metas) is meta_wire.rows(desc.metas)  # encoded once per tuple
+
+
+def test_facts_name_bytes_memory_gpus_and_placements():
+    host = _metas(4)
+    assert meta_wire.facts(host) == (256, frozenset({MemoryKind.HOST}), frozenset(), False, 1)
+    mixed = (*host, TensorMeta((4,), "uint8", "cuda:0", 4, 256, TensorKind.DLPACK, "GPU-a"),
+             TensorMeta((4,), "uint8", "cuda:1", 4, 260, TensorKind.TORCH, "GPU-b"))  # fmt: skip
+    facts = meta_wire.facts(mixed)
+    assert facts.nbytes == 264 and facts.memory == {MemoryKind.HOST, MemoryKind.CUDA}
+    assert facts.src_devices == {"GPU-a", "GPU-b"} and facts.foreign_memory and facts.placements == 3
+    assert meta_wire.facts(()) == (0, frozenset({MemoryKind.HOST}), frozenset(), False, 0)
+
+
+def test_memos_stay_bounded_and_answer_right_after_being_cleared():
+    layouts = [_metas(2, nbytes=8 * (i + 1)) for i in range(3 * meta_wire.MEMO_SIZE)]
+    for metas in layouts:
+        decoded = pickle.loads(pickle.dumps(_descriptor(metas)))
+        assert decoded.metas == metas and meta_wire.facts(decoded.metas).nbytes == sum(m.nbytes for m in metas)
+    for memo in (meta_wire._rows_of, meta_wire._metas_of, meta_wire._facts_of):
+        assert 0 < len(memo) <= meta_wire.MEMO_SIZE
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        (((4,), "float32", "cpu", 16, 0, "no-such-kind", ""),),  # an unknown tensor kind
+        (((4,), "float32", "cpu"),),  # a row too short
+        ([[4], "float32", "cpu", 16, 0, "torch", ""],),  # unhashable parts
+    ],
+)
+def test_malformed_rows_in_a_reference_are_a_value_error(rows):
+    with pytest.raises(ValueError, match="malformed tensor metadata"):
+        meta_wire.descriptor_from_rows(b"o" * 16, b"t" * 16, OWNER, rows, 16)
+
+
+def test_dtype_and_device_names_are_made_once():
+    assert meta_wire.dtype_name(torch.bfloat16) == "bfloat16" and meta_wire.dtype_name(torch.uint8) == "uint8"
+    assert meta_wire.device("cpu") is meta_wire.device("cpu") and meta_wire.device("cuda:3") == torch.device("cuda:3")
