@@ -152,10 +152,14 @@ class Holders:
             held.count -= 1
             if held.count > 0:
                 return
-            del self._held[desc.object_id]
-        # close mappings before the owner may free
+        # close mappings before the owner may free (outside the lock: a transport may wait)
         self._transports.each("forget an object", lambda t: t.forget_object(desc.object_id), level=logging.DEBUG)
-        self._send(held.owner, HolderOpKind.RELEASE, desc.object_id, desc.token)
+        with self._lock:
+            if self._held.get(desc.object_id) is not held or held.count > 0:
+                return  # a reference came back meanwhile: this process still holds, no RELEASE
+            del self._held[desc.object_id]
+            # queued under the lock: a REGISTER of a reference that comes back later follows it
+            self._send(held.owner, HolderOpKind.RELEASE, desc.object_id, desc.token)
 
     def ref_pickled(self, desc: ObjectDescriptor) -> bytes:
         """A reference is leaving this process: pin its object until the receiver registers."""
