@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -46,6 +47,17 @@ _settlement: queue.SimpleQueue[tuple[Any, tuple[Any, ...]]] = queue.SimpleQueue(
 _settler: threading.Thread | None = None
 _settler_lock = threading.Lock()
 _kept_past_shutdown: list[Any] = []  # dropped calls' ObjectRefs that Ray was shut down under
+
+
+def _forget_settlements_in_child() -> None:
+    """After ``fork``, in the child: the parent's queued settlements are the parent's (they would
+    release its pins a second time), and its settler thread and lock (maybe held at the fork)
+    do not exist here."""
+    global _settlement, _settler, _settler_lock
+    _settlement, _settler, _settler_lock = queue.SimpleQueue(), None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_settlements_in_child)
 
 
 def _map_ray_error(error: BaseException) -> BaseException:
@@ -93,8 +105,8 @@ def _announce(state: Any, box: _Unsettled) -> None:
 
 
 def _start_settler() -> None:
-    """Start the settlement thread (again, in a forked child) from ordinary code: never from
-    a finalizer, as starting a thread takes plain locks."""
+    """Start the settlement thread (in a forked child, a new one) from ordinary code: never
+    from a finalizer, as starting a thread takes plain locks."""
     global _settler
     with _settler_lock:
         if _settler is None or not _settler.is_alive():

@@ -4,6 +4,10 @@ worst place and checks that the thread goes on and nothing is lost."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import thread as pool_threads
 from types import CodeType
@@ -82,3 +86,47 @@ def test_an_object_freed_while_it_is_exported_is_not_left_offered(agent, monkeyp
     assert servers, "shm did not export the object: the test did not test it"
     assert "shm" not in entry.stored.transport_state
     assert ref._desc.object_id not in servers[0]._segments
+
+
+def test_a_forked_child_runs_none_of_the_parents_queued_settlements():
+    """A settlement queued in the parent when it forks is the parent's: a child that ran it too
+    would release the parent's pins a second time."""
+    pending._start_settler()
+    busy, go = threading.Event(), threading.Event()
+    pending._settlement.put((lambda: (busy.set(), go.wait(30)), ()))  # keeps the parent's settler busy
+    assert busy.wait(30)
+    read_end, write_end = os.pipe()
+    pending._settlement.put((os.write, (write_end, b"p")))  # still queued at the fork
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (3.12+: fork of a process with threads)
+        pid = os.fork()
+    if pid == 0:  # the child: only its own settlements run
+        try:
+            done = threading.Event()
+            pending._start_settler()
+            pending._settlement.put((os.write, (write_end, b"c")))
+            pending._settlement.put((done.set, ()))
+            os._exit(0 if done.wait(30) else 1)
+        finally:
+            os._exit(2)
+    go.set()
+    parent_done = threading.Event()
+    pending._settlement.put((parent_done.set, ()))
+    status: list[int] = []
+    exited = wait_until(lambda: _reaped(pid, status), timeout_s=30)
+    if not exited:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert parent_done.wait(30)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        written = pipe.read()
+    assert exited and os.waitstatus_to_exitcode(status[-1]) == 0, "the child's own settlements did not run"
+    assert sorted(written) == sorted(b"pc"), f"settlements that ran: {written!r} (p: the parent's, c: the child's)"
+
+
+def _reaped(pid: int, status: list[int]) -> bool:
+    done, code = os.waitpid(pid, os.WNOHANG)
+    if done == pid:
+        status.append(code)
+    return done == pid
