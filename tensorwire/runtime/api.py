@@ -186,8 +186,6 @@ def _matched_out(
 
 def _targets(metas: tuple[TensorMeta, ...], device: Any) -> list[torch.device]:
     """``target_device`` of every tensor, worked out once per distinct placement."""
-    if metas and meta_wire.facts(metas).placements == 1:
-        return [target_device(metas[0], device)] * len(metas)
     known: dict[tuple[str, str], torch.device] = {}
     result = []
     for meta in metas:

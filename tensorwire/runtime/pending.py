@@ -52,7 +52,8 @@ _kept_past_shutdown: list[Any] = []  # dropped calls' ObjectRefs that Ray was sh
 def _forget_settlements_in_child() -> None:
     """After ``fork``, in the child: the parent's queued settlements are the parent's (they would
     release its pins a second time), and its settler thread and lock (maybe held at the fork)
-    do not exist here."""
+    do not exist here. (The parent's ``Pending`` objects that the child drops later settle
+    nothing either: :func:`_settle_orphan`.)"""
     global _settlement, _settler, _settler_lock
     _settlement, _settler, _settler_lock = queue.SimpleQueue(), None, threading.Lock()
 
@@ -95,6 +96,7 @@ class _Unsettled:
     pin_id: bytes
     queued_pins: list[bytes] = field(default_factory=list)
     settled: bool = False
+    pid: int = field(default_factory=os.getpid)  # a forked child's copy is the parent's to settle
 
 
 def _announce(state: Any, box: _Unsettled) -> None:
@@ -124,8 +126,9 @@ def _settle_forever() -> None:
 
 
 def _settle_orphan(box: _Unsettled) -> None:
-    """Finalizer of a ``Pending``: settle it in the background if nobody did."""
-    if not box.settled:
+    """Finalizer of a ``Pending``: settle it in the background if nobody did (in the process
+    that made it: a forked child's copy of its parent's ``Pending`` releases nothing)."""
+    if not box.settled and box.pid == os.getpid():
         _settlement.put((_watch_orphan, (box,)))
 
 

@@ -105,7 +105,8 @@ class Holders:
 
     def holds(self, object_id: bytes) -> bool:
         with self._lock:
-            return object_id in self._held
+            held = self._held.get(object_id)
+            return held is not None and held.count > 0  # (count 0: its mappings are being closed)
 
     # ------------------------------------------------------------------ references
 

@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from tensorwire.transport.base import ObjectDescriptor, PeerInfo, TensorMeta
 
 __all__ = [
+    "FORMAT",
     "MEMO_SIZE",
+    "MEMO_TENSORS",
     "MetaFacts",
     "descriptor_from_rows",
     "device",
@@ -41,7 +43,9 @@ __all__ = [
     "rows",
 ]
 
-MEMO_SIZE = 256
+MEMO_SIZE = 256  # entries of one memo
+MEMO_TENSORS = 1 << 16  # tensors' metadata one memo keeps in all (about 0.4 KiB each)
+FORMAT = 1  # of a pickled descriptor's arguments; another version's reference is refused by name
 _FOREIGN_KINDS = ("cupy", "dlpack")  # memory torch did not allocate (TensorKind values)
 
 Row = tuple[tuple[int, ...], str, str, int, int, str, str]
@@ -54,20 +58,33 @@ class MetaFacts(NamedTuple):
     memory: frozenset[MemoryKind]
     src_devices: frozenset[str]  # UUIDs of the GPUs the tensors live on
     foreign_memory: bool  # some CUDA tensor came from a DLPack producer (cupy, ...)
-    placements: int  # distinct (device, GPU UUID) pairs among the tensors
 
 
-_rows_of: dict[int, tuple[tuple[TensorMeta, ...], tuple[Row, ...]]] = {}  # id(metas) -> (metas, rows)
-_metas_of: dict[tuple[Row, ...], tuple[TensorMeta, ...]] = {}  # rows -> metas
-_facts_of: dict[int, tuple[tuple[TensorMeta, ...], MetaFacts]] = {}  # id(metas) -> (metas, facts)
+class _Memo:
+    """At most :data:`MEMO_SIZE` entries and :data:`MEMO_TENSORS` tensors in all; emptied when
+    either would be passed (the next uses fill it again). Counts may drift under races between
+    threads; the entry bound holds regardless."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Any, Any] = {}
+        self.tensors = 0
+
+    def get(self, key: Any) -> Any:
+        return self.entries.get(key)
+
+    def put(self, key: Any, value: Any, tensors: int) -> None:
+        if len(self.entries) >= MEMO_SIZE or self.tensors + tensors > MEMO_TENSORS:
+            self.entries.clear()
+            self.tensors = 0
+        self.entries[key] = value
+        self.tensors += tensors
+
+
+_rows_of = _Memo()  # id(metas) -> (metas, rows)
+_metas_of = _Memo()  # rows -> metas
+_facts_of = _Memo()  # id(metas) -> (metas, facts)
 _dtype_names: dict[Any, str] = {}  # torch.dtype -> name (a handful)
-_devices: dict[str, Any] = {}  # device string -> torch.device
-
-
-def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
-    if len(memo) >= MEMO_SIZE:
-        memo.clear()
-    memo[key] = value
+_devices = _Memo()  # device string -> torch.device
 
 
 def dtype_name(dtype: Any) -> str:
@@ -79,59 +96,84 @@ def dtype_name(dtype: Any) -> str:
 
 
 def device(name: str) -> Any:
-    """``torch.device(name)``, made once per name."""
+    """``torch.device(name)``, made once per name (consumer: where fetched tensors land)."""
     made = _devices.get(name)
     if made is None:
         import torch
 
         made = torch.device(name)
-        _remember(_devices, name, made)
+        _devices.put(name, made, 1)
     return made
 
 
 def rows(metas: tuple[TensorMeta, ...]) -> tuple[Row, ...]:
-    """``metas`` as plain tuples (made once per metadata tuple)."""
+    """Producer, pickling a reference: ``metas`` as plain tuples (made once per tuple)."""
     known = _rows_of.get(id(metas))
     if known is not None and known[0] is metas:
         return known[1]
     made = tuple((m.shape, m.dtype, m.device, m.nbytes, m.offset, m.kind.value, m.device_uuid) for m in metas)
-    _remember(_rows_of, id(metas), (metas, made))
+    _rows_of.put(id(metas), (metas, made), len(made))
     return made
 
 
+def _meta(row: Row) -> TensorMeta:
+    """One row as ``TensorMeta``; ``ValueError`` unless every field has its exact type (a
+    ``True`` or ``1.0`` equals ``1`` as a memo key, so a loose row would stand for good ones)."""
+    from tensorwire.transport.base import TensorKind, TensorMeta
+
+    shape, dtype, device_name, nbytes, offset, kind, uuid = row
+    exact = type(shape) is tuple and all(type(n) is int for n in shape) and type(nbytes) is int
+    exact = exact and type(offset) is int and type(dtype) is str and type(device_name) is str and type(uuid) is str
+    if not exact:
+        raise ValueError(f"row {row!r} is not tensor metadata")
+    return TensorMeta(shape, dtype, device_name, nbytes, offset, TensorKind(kind), uuid)
+
+
 def metas_from_rows(made: tuple[Row, ...]) -> tuple[TensorMeta, ...]:
-    """The ``TensorMeta`` tuple of ``made`` (the same tuple for rows seen before)."""
+    """Consumer, unpickling a reference: the ``TensorMeta`` tuple of ``made`` (the same tuple
+    for rows seen before). Raises ``ValueError`` or ``TypeError`` for rows that are not metadata."""
     known = _metas_of.get(made)
     if known is not None:
         return known
-    from tensorwire.transport.base import TensorKind, TensorMeta
-
-    metas = tuple(TensorMeta(s, d, dev, n, o, TensorKind(k), u) for s, d, dev, n, o, k, u in made)
-    _remember(_metas_of, made, metas)
+    if type(made) is not tuple:
+        raise ValueError("tensor metadata is not a tuple of rows")
+    metas = tuple(_meta(row) for row in made)
+    _metas_of.put(made, metas, len(metas))
     return metas
 
 
 def reduce_descriptor(desc: ObjectDescriptor) -> tuple[Any, tuple[Any, ...]]:
-    """``ObjectDescriptor.__reduce__``: the metadata as rows."""
-    return descriptor_from_rows, (desc.object_id, desc.token, desc.owner, rows(desc.metas), desc.packed_nbytes)
+    """``ObjectDescriptor.__reduce__`` (producer, or anyone passing a reference on): the
+    metadata as rows, under :data:`FORMAT`."""
+    made = rows(desc.metas)
+    return descriptor_from_rows, (FORMAT, desc.object_id, desc.token, desc.owner, made, desc.packed_nbytes)
 
 
-def descriptor_from_rows(
-    object_id: bytes, token: bytes, owner: PeerInfo, made: tuple[Row, ...], packed_nbytes: int
+def descriptor_from_rows(  # noqa: PLR0917 - pickle calls it with positional arguments
+    version: int, object_id: bytes, token: bytes, owner: PeerInfo, made: tuple[Row, ...], packed_nbytes: int
 ) -> ObjectDescriptor:
-    """What :func:`reduce_descriptor` wrote, back as a descriptor. Raises ``ValueError`` for rows
-    that are not tensor metadata."""
+    """Consumer, unpickling: what :func:`reduce_descriptor` wrote, back as a descriptor.
+
+    Raises:
+        ValueError: Another version's format, or rows that are not tensor metadata.
+    """
     from tensorwire.transport.base import ObjectDescriptor
 
+    if version != FORMAT:
+        raise ValueError(
+            f"a reference from another tensorwire version: its descriptor format is {version!r}, this one reads "
+            f"{FORMAT}; run the same tensorwire version in every process"
+        )
     try:
         metas = metas_from_rows(made)
-    except (TypeError, ValueError) as e:  # a row of the wrong length or kind
+    except (TypeError, ValueError) as e:  # a row of the wrong length, kind or types; unhashable parts
         raise ValueError(f"malformed tensor metadata in a reference: {e}") from None
     return ObjectDescriptor(object_id, token, owner, metas, packed_nbytes)
 
 
 def facts(metas: tuple[TensorMeta, ...]) -> MetaFacts:
-    """The :class:`MetaFacts` of ``metas`` (worked out once per metadata tuple)."""
+    """Consumer (a fetch's selection) or owner (byte counts): the :class:`MetaFacts` of
+    ``metas``, worked out once per metadata tuple."""
     known = _facts_of.get(id(metas))
     if known is not None and known[0] is metas:
         return known[1]
@@ -142,7 +184,6 @@ def facts(metas: tuple[TensorMeta, ...]) -> MetaFacts:
         memory=memory or frozenset({MemoryKind.HOST}),
         src_devices=frozenset(u for _, u, _ in devices if u),
         foreign_memory=any(d.startswith("cuda") and k in _FOREIGN_KINDS for d, _, k in devices),
-        placements=len({(d, u) for d, u, _ in devices}),
     )
-    _remember(_facts_of, id(metas), (metas, made))
+    _facts_of.put(id(metas), (metas, made), len(metas))
     return made

@@ -40,8 +40,10 @@ import torch
 
 from tensorwire.errors import (
     InvalidRequestError,
+    ObjectFreedError,
     OwnerDiedError,
     PeerLostError,
+    TensorwireError,
     TransferAbortedError,
     TransferTimeoutError,
     TransportError,
@@ -335,8 +337,8 @@ class TwoSidedTransport(Transport):
             try:
                 posted.wait(request.deadline, check, what)
             except TransportError as e:
-                if type(e) is TransportError:  # an operation failed: the owner gone says why
-                    self.context.check_owner(request)
+                if type(e) is TransportError:  # an operation failed: the owner or object gone says why
+                    self._explain(request, e)
                 raise
         except BaseException as e:
             posted.abort()
@@ -348,6 +350,16 @@ class TwoSidedTransport(Transport):
                 raise _Reconnect from None
             raise
         self._unpack(plan, buffers, dst)
+
+    def _explain(self, request: FetchRequest, error: TransportError) -> None:
+        """Consumer: raise the owner's death or the object's free, chained to ``error`` (the
+        operation that failed), if that is what happened; else return (``error`` stands)."""
+        try:
+            self.context.check_owner(request)
+        except (OwnerDiedError, PeerLostError, ObjectFreedError) as gone:
+            raise gone from error
+        except TensorwireError:  # the owner could not say (its status call timed out, ...)
+            return
 
     def serve(self, obj: StoredObject, params: bytes) -> Iterator[bytes]:
         """Producer, on an agent service thread: post the sends the consumer asked for (after

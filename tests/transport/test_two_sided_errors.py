@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tensorwire.errors import ObjectFreedError, OwnerDiedError, TransportError
+from tensorwire.errors import ObjectFreedError, OwnerDiedError, TransferTimeoutError, TransportError
 from tensorwire.transport.base import FetchRequest, PeerInfo, TensorMeta
 from tensorwire.transport.two_sided import _POSTED, PostedOps, TwoSidedTransport
 
@@ -84,7 +84,7 @@ def test_a_failed_receive_from_an_owner_that_died_raises_owner_died_and_drops_th
     with pytest.raises(OwnerDiedError) as caught:
         _fetch(transport)
     assert caught.value is died and context.checks == 1
-    assert "Connection reset" in str(caught.value.__context__)  # the transport's error stays the context
+    assert "Connection reset" in str(caught.value.__cause__)  # the operation that failed is the cause
     assert transport.closed == ["owner"] and transport.died == ["owner"] and transport.connections() == 0
     transport.close()
 
@@ -104,4 +104,14 @@ def test_a_failed_receive_from_a_live_owner_keeps_the_transport_error():
         _fetch(transport)
     assert type(caught.value) is TransportError and context.checks == 1
     assert transport.closed == ["owner"] and transport.connections() == 0
+    transport.close()
+
+
+def test_an_owner_that_cannot_say_leaves_the_transport_error():
+    """The owner's status call timing out (an owner slow to answer) explains nothing."""
+    context = _Context(TransferTimeoutError("status of the object: no answer within 0.05 s"))
+    transport = _FailingReceives(context)
+    with pytest.raises(TransportError, match="Connection reset") as caught:
+        _fetch(transport)
+    assert type(caught.value) is TransportError and context.checks == 1
     transport.close()
