@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tensorwire.transport.meta_wire import dtype_name
+
 if TYPE_CHECKING:
     import torch
 
@@ -53,10 +55,6 @@ def dtype_itemsize(dtype: str) -> int:
         size = getattr(torch, dtype).itemsize
         _ITEMSIZE[dtype] = size
     return size
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
