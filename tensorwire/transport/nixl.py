@@ -1,13 +1,13 @@
-"""``nixl``: one-sided READ through NVIDIA's NIXL transfer engine (extra ``nixl``), found through the
-``tensorwire.transports`` entry point. Backends: ``TENSORWIRE_NIXL_BACKENDS`` (default ``UCX``). Host memory
-is verified here, CUDA memory is not. The producer registers each storage once (cached) and hands out a
-handle: metadata, a row per tensor, a liveness slot; the consumer loads metadata only when new, READs the
-tensors, then the slot's tag: no control call, every wait bounded. docs/architecture.md ("nixl details")
-says why each step is as it is."""
+"""``nixl``: one-sided READ through NVIDIA's NIXL engine (extra ``nixl``; the ``tensorwire.transports`` entry point).
+Backends: ``TENSORWIRE_NIXL_BACKENDS`` (default ``UCX``). Host memory is verified here, CUDA memory is not. The
+producer registers each storage once (cached) and hands out a handle: metadata, a row per tensor, a liveness slot;
+the consumer loads metadata only when new, READs the tensors, then the slot's tag: no control call, every wait
+bounded. docs/architecture.md ("nixl details") says why each step is as it is."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import importlib
 import importlib.util
@@ -100,11 +100,10 @@ class _Agent:
         if not self.nixl.backends:
             raise TransportUnavailableError(f"nixl: none of the backends {wanted} ({BACKENDS_ENV}) could be "
                                             f"created; plug-ins available: {self.nixl.get_plugin_list()}")  # fmt: skip
-        self.name, self.lock, self.next_sweep = name, threading.RLock(), 0.0
+        self.name, self.lock, self.next_sweep, self.ids = name, threading.RLock(), 0.0, itertools.count(1)
         self.capacity = max(16, int(os.environ.get(CACHE_ENV, "512")))
         self.regs: OrderedDict[tuple[int, int, bool, int], _Reg] = OrderedDict()
         self.idle: dict[tuple, _Reg] = {}  # users dropped to 0: checked for freed memory now and then
-        self.ids = itertools.count(1)
         self.partials: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
         self.remote: dict[str, set[int]] = {}  # remote agent name -> registration ids loaded
         self.stuck: list[tuple[str, list, list, list, int]] = []  # kept READs: (owner, READs, memory, regs, slot)
@@ -130,7 +129,7 @@ class _Agent:
                 if key in found:
                     continue
                 reg = self.regs.get(key)
-                if reg is not None and reg.weak.expired() and reg.users == 0:
+                if reg is not None and reg.users == 0 and reg.weak.expired():
                     self._drop(reg)
                     reg = None
                 found[key] = reg
@@ -174,7 +173,8 @@ class _Agent:
                     self._drop(reg)  # unlisted there too
 
     def _trim(self) -> None:  # the least recently used unused registrations beyond the capacity go
-        for reg in [r for r in self.regs.values() if r.users == 0][: max(0, len(self.regs) - self.capacity)]:
+        excess = len(self.regs) - self.capacity
+        for reg in [r for r in self.regs.values() if r.users == 0][:excess] if excess > 0 else ():
             self._drop(reg)
 
     def _drop(self, reg: _Reg) -> None:
@@ -302,27 +302,31 @@ class _Handle:
         parts += [np.asarray(self.rids, dtype=">u8").tobytes(), self.rows.astype(_ROW).tobytes()]
         return b"".join(parts)
 
-    @classmethod
-    def decode(cls, data: bytes) -> _Handle:
-        try:
-            version, n_name, n_conn, n_partial, n_rids, n_rows, flag, tag = _HEADER.unpack_from(data, 0)
-            if version != _VERSION:
-                raise TransportError(f"nixl: handle version {version} (expected {_VERSION})")
-            pos = _HEADER.size + n_name + n_conn
-            name, conn = data[_HEADER.size : pos - n_conn].decode(), bytes(data[pos - n_conn : pos])
-            partials = []
-            for _ in range(n_partial):
-                (n,) = struct.unpack_from("!I", data, pos)
-                partials.append(bytes(data[pos + 4 : pos + 4 + n]))
-                pos += 4 + n
-            rids, pos = tuple(int(r) for r in np.frombuffer(data, ">u8", n_rids, pos)), pos + 8 * n_rids
-            array = np.frombuffer(data, _ROW, n_rows, pos)
-            if pos + array.nbytes != len(data):
-                raise TransportError("nixl: trailing bytes in handle")
-            rows = [tuple(int(x) for x in r) for r in array.tolist()]  # (address, length, device, vram)
-        except (struct.error, ValueError, UnicodeDecodeError) as e:
-            raise TransportError(f"nixl: malformed handle ({e})") from None
-        return cls(name, conn, tuple(partials), rids, rows, flag, tag)
+
+@functools.lru_cache(maxsize=64)  # the same reference fetched again: its handle checked and decoded once
+def _opened(signed: bytes, token: bytes) -> _Handle | None:
+    """The handle in ``signed`` if ``token`` opens it (its HMAC), else None."""
+    data, mac = signed[:-_MAC], signed[-_MAC:]
+    if not hmac.compare_digest(hmac.digest(token, data, "sha256")[:_MAC], mac):
+        return None
+    try:
+        version, n_name, n_conn, n_partial, n_rids, n_rows, flag, tag = _HEADER.unpack_from(data, 0)
+        if version != _VERSION:
+            raise TransportError(f"nixl: handle version {version} (expected {_VERSION})")
+        pos = _HEADER.size + n_name + n_conn
+        name, conn = data[_HEADER.size : pos - n_conn].decode(), bytes(data[pos - n_conn : pos])
+        partials = []
+        for _ in range(n_partial):
+            (n,) = struct.unpack_from("!I", data, pos)
+            partials.append(bytes(data[pos + 4 : pos + 4 + n]))
+            pos += 4 + n
+        rids, pos = tuple(np.frombuffer(data, ">u8", n_rids, pos).tolist()), pos + 8 * n_rids
+        array = np.frombuffer(data, _ROW, n_rows, pos)
+        if pos + array.nbytes != len(data):
+            raise TransportError("nixl: trailing bytes in handle")
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise TransportError(f"nixl: malformed handle ({e})") from None
+    return _Handle(name, conn, tuple(partials), rids, array.tolist(), flag, tag)
 
 
 class NixlTransport(Transport):
@@ -384,8 +388,7 @@ class NixlTransport(Transport):
         agent.table_np[slot] = tag = secrets.randbits(63) | 1
         obj.transport_state[self.name] = (regs, slot)
         rows = np.array([(t.data_ptr(), t.nbytes, t.device.index or 0, t.device.type == "cuda") for t in tensors], _ROW)
-        rids = (*(r.rid for r in regs), agent.table_reg.rid)
-        flag_addr = agent.table.data_ptr() + 8 * slot
+        rids, flag_addr = (*(r.rid for r in regs), agent.table_reg.rid), agent.table.data_ptr() + 8 * slot
         body = _Handle(agent.name, agent.conn_md, tuple(partials), rids, rows, flag_addr, tag).encode()
         return body + hmac.digest(obj.token, body, "sha256")[:_MAC]  # opened only with the object's token
 
@@ -400,10 +403,8 @@ class NixlTransport(Transport):
 
     def fetch(self, request: FetchRequest, dst: Sequence[Any]) -> None:
         """Consumer: one READ of every tensor, then one of the liveness slot, polled to completion."""
-        data = request.handle or b""
-        if not hmac.compare_digest(hmac.digest(request.token, data[:-_MAC], "sha256")[:_MAC], data[-_MAC:]):
+        if (handle := _opened(request.handle or b"", request.token)) is None:
             raise PermissionDeniedError(f"nixl: the token does not open object {request.object_id.hex()}")
-        handle = _Handle.decode(data[:-_MAC])
         if self._peers.get(request.owner.agent_id, handle.name) != handle.name:
             raise TransportError(f"nixl: handle names agent {handle.name}, not the one its owner published")
         if len(handle.rows) != len(dst):
@@ -414,9 +415,14 @@ class NixlTransport(Transport):
         except Exception as e:  # noqa: BLE001 - NIXL raises its own classes
             self._failed(request, f"loading agent {handle.name}'s metadata ({e})")
         targets = [(t, row) for t, row in zip(dst, handle.rows, strict=True) if row[1]]
+        groups: dict[tuple[bool, bool], tuple[list, list]] = {}  # (memory kinds) -> (local, remote) rows
         for t, row in targets:
             if t.numel() * t.element_size() != row[1] or not t.is_contiguous():
                 raise TransportError("nixl: a destination buffer does not match the handle")
+            vram = t.device.type == "cuda"
+            local, remote = groups.setdefault((vram, bool(row[3])), ([], []))
+            local.append((t.data_ptr(), row[1], (t.device.index or 0) if vram else 0))
+            remote.append(row[:3])
         regs = agent.acquire([t for t, _ in targets])
         slot = agent.take(agent.free_flags)
         if slot is None:
@@ -426,12 +432,6 @@ class NixlTransport(Transport):
         try:
             agent.flags_np[slot] = 0
             flag = ([(agent.flags.data_ptr() + 8 * slot, 8, 0)], [(handle.flag_addr, 8, 0)])
-            groups: dict[tuple[bool, bool], tuple[list, list]] = {}  # (memory kinds) -> (local, remote) rows
-            for t, row in targets:
-                vram = t.device.type == "cuda"
-                local, remote = groups.setdefault((vram, bool(row[3])), ([], []))
-                local.append((t.data_ptr(), row[1], (t.device.index or 0) if vram else 0))
-                remote.append(row[:3])
             self._post(agent, handle, list(groups.items()), request, unfinished)
             self._post(agent, handle, [((False, False), flag)], request, unfinished)  # the tag after the data
             if int(agent.flags_np[slot]) != handle.tag:

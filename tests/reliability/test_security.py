@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import pickle
 from dataclasses import replace
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import tensorwire as tw
+from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ref import Ref, RefState
 from tensorwire.transport.control import cluster_token
 
@@ -22,6 +24,22 @@ def test_another_objects_token_is_denied(worker):
     for transport in ("host", "shm"):
         assert worker.call("tests.helpers.tasks:get_outcome", forged, transport=transport) == "PermissionDeniedError"
     assert worker.call("tests.helpers.tasks:get_error", mine) == "ok"
+
+
+@pytest.mark.skipif(
+    not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")),
+    reason="NIXL is not installed: pip install 'tensorwire[nixl]' (or nixl-cu12)",
+)
+def test_nixl_handle_opens_only_with_its_objects_token_even_after_a_fetch(worker):
+    """The consumer remembers handles it opened: a real handle with another token must still fail."""
+    mine = tw.put(torch.randn(100_000))
+    other = tw.put(torch.randn(100_000))
+    assert worker.call("tests.helpers.tasks:get_transport", mine, transport="nixl")[1] == "nixl"  # opened, remembered
+    handles = runtime_agent().export_handles(mine._desc)  # the real nixl handle
+    assert handles.get("nixl")
+    forged = Ref(RefState(replace(mine._desc, token=other._desc.token), mine._skeleton_bytes, handles, b""))
+    assert worker.call("tests.helpers.tasks:get_outcome", forged, transport="nixl") == "PermissionDeniedError"
+    assert worker.call("tests.helpers.tasks:get_transport", mine, transport="nixl")[1] == "nixl"
 
 
 def test_missing_token_is_denied(worker):

@@ -9,7 +9,7 @@ import stat
 import grpc
 import pytest
 
-from tensorwire.transport.control import _SERVICE, _TOKEN_METADATA, cluster_token
+from tensorwire.transport.control import _SERVICE, _TOKEN_METADATA, cluster_token, socket_dir
 from tensorwire.transport.wire import messages
 from tests.helpers.observe import wait_until
 
@@ -106,6 +106,19 @@ def test_socket_is_private_and_tcp_not_on_all_interfaces(agent):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     assert not agent.peer.tcp_address.startswith(("0.0.0.0", "[::]"))
+
+
+def test_socket_dir_refuses_a_shared_directory_and_checks_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    shared = tmp_path / f"tensorwire-{os.getuid()}"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(PermissionError, match="mode 0700"):
+        socket_dir()
+    shared.chmod(0o700)
+    assert socket_dir() == str(shared)
+    monkeypatch.setattr(os, "stat", lambda *a, **k: pytest.fail("checked again"))
+    assert socket_dir() == str(shared)  # every export asks: the check is made once per process
 
 
 def test_transport_layer_never_unpickles():
