@@ -288,6 +288,7 @@ def _get_one(
             usable = buffer is not None and (buffer.is_cpu or buffer.is_cuda) and buffer.is_contiguous()
             dst.append(buffer if usable else None)
     targets = _targets(desc.metas, device)
+    pooled = pooled or "nixl" in state.handles  # nixl registers destinations: a pooled one is registered once
     lease = fill_from_pool(agent.host_pool, desc.metas, desc.packed_nbytes, dst, targets) if pooled and dst else None
     failed = True  # a transport that failed may still be writing into the lease: never reuse it then
     try:

@@ -22,18 +22,55 @@ import mmap
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from tensorwire.transport.base import TensorMeta
 
-__all__ = ["HostPool", "Lease", "fill_from_pool"]
+__all__ = ["HostPool", "Lease", "fill_from_pool", "liveness"]
 
 logger = logging.getLogger(__name__)
 
 _PAGE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_mappings: dict[int, weakref.ref] = {}  # start address -> every pool's mapping there (gone: its entry goes)
+
+
+def _remember(memory: mmap.mmap) -> None:
+    address = np.frombuffer(memory, dtype=np.uint8, count=1).ctypes.data
+
+    def forget(ref: weakref.ref, address: int = address) -> None:
+        if _mappings.get(address) is ref:
+            del _mappings[address]
+
+    _mappings[address] = weakref.ref(memory, forget)
+
+
+class _Mapped:
+    """Liveness of a pool's mapping (``expired()``, as torch's ``StorageWeakRef`` has)."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, ref: weakref.ref) -> None:
+        self._ref = ref
+
+    def expired(self) -> bool:
+        return self._ref() is None
+
+
+def liveness(tensor: torch.Tensor) -> Any:
+    """Whether the memory ``tensor`` lives in still exists, as an object with ``expired()``:
+    for memory a pool leased, the mapping's (it outlives the tensors of one lease, so a
+    registration of it stays good for the next value leased there); else the storage's."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    storage = tensor.untyped_storage()
+    ref = _mappings.get(storage.data_ptr())
+    if ref is not None and ref() is not None:
+        return _Mapped(ref)
+    return StorageWeakRef(storage)
 
 
 class Lease:
@@ -97,6 +134,7 @@ class HostPool:
             except OSError as e:
                 logger.debug("host pool: no %d-byte mapping (%s): allocating as usual", size, e)
                 return None
+            _remember(memory)
             with self._lock:
                 self._made += 1
         array = np.frombuffer(memory, dtype=np.uint8, count=nbytes)

@@ -118,7 +118,7 @@ class _Agent:
 
     def acquire(self, tensors: Sequence[Any]) -> list[_Reg]:
         """The registrations covering ``tensors``, each used once more (missing ones: one call per kind)."""
-        from torch.multiprocessing.reductions import StorageWeakRef
+        from tensorwire.transport.host_pool import liveness  # a pooled buffer's registration outlives one value
 
         with self.lock:
             self._sweep()
@@ -145,7 +145,7 @@ class _Agent:
                 self.nixl.register_memory([(k[0], k[1], k[3], "") for k in keys], mem)
                 for key in keys:  # one descriptor list per region, to deregister it alone
                     descs = self.nixl.get_reg_descs([(key[0], key[1], key[3], "")], mem)
-                    weak = StorageWeakRef(missing[key].untyped_storage())
+                    weak = liveness(missing[key])
                     found[key] = self.regs[key] = _Reg(next(self.ids), key, weak, descs)
                     self.stats["registered"] += 1
             regs = [r for r in found.values() if r is not None]

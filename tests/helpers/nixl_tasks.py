@@ -136,3 +136,22 @@ def broadcast_and_transports(name: str, rank: int, descriptions: list, src: int)
     before = len(tw.stats()["recent"])
     got = broadcast(name, rank, descriptions, "cpu", src)
     return got, [r.transport for r in tw.stats()["recent"][before:]]
+
+
+def read_plain(refs: list[tw.Ref]) -> dict:
+    """Fetch each reference over nixl with no ``out=``, each result dropped before the next
+    fetch; the digests, and how many registrations and pool leases that took here."""
+    from tensorwire.runtime.ray_env import agent
+
+    nixl._agent()
+    registered, reused = nixl.stats()["registered"], agent().host_pool.stats()["reused"]
+    digests = []
+    for ref in refs:
+        value = tw.get(ref, transport="nixl")
+        digests.append(digest(value))
+        del value  # its memory goes back to the pool
+    return {
+        "digests": digests,
+        "registered": nixl.stats()["registered"] - registered,
+        "pool_reused": agent().host_pool.stats()["reused"] - reused,
+    }

@@ -11,7 +11,7 @@ import torch
 import tensorwire as tw
 from tensorwire.runtime.api import get_arguments
 from tensorwire.transport.agent import get_agent
-from tensorwire.transport.host_pool import HostPool
+from tensorwire.transport.host_pool import HostPool, liveness
 
 MIB = 1 << 20
 
@@ -38,6 +38,27 @@ def test_memory_comes_back_only_when_every_tensor_on_it_is_gone():
     again = pool.lease(3 * MIB)
     assert _address(again) == first
     assert (pool.stats()["reused"], pool.stats()["made"], pool.stats()["idle_nbytes"]) == (1, 2, 0)
+
+
+def test_liveness_follows_a_pooled_mapping_not_one_leases_tensors():
+    """What a registration cache asks: pooled memory outlives the tensors of one lease (its
+    registration stays good) and is gone once the pool lets go of it; other memory follows
+    its storage."""
+    pool = HostPool(16 * MIB)
+    tensor = torch.from_numpy(pool.lease(3 * MIB).array)
+    alive = liveness(tensor)
+    del tensor
+    gc.collect()
+    assert pool.stats()["idle_buffers"] == 1 and not alive.expired()  # idle in the pool: still mapped
+    pool.close()
+    gc.collect()
+    assert alive.expired()
+    plain = torch.zeros(3 * MIB, dtype=torch.uint8)
+    plain_alive = liveness(plain)
+    assert not plain_alive.expired()
+    del plain
+    gc.collect()
+    assert plain_alive.expired()
 
 
 def test_idle_memory_is_bounded_and_small_requests_are_not_pooled():

@@ -99,6 +99,17 @@ def test_metadata_once_per_peer_and_registrations_reused(pair):
     assert _count(c1, "registered") - _count(c0, "registered") == 1 + (not c0) * 2  # + its own tables, first time
 
 
+def test_plain_gets_land_in_pooled_memory_registered_once(pair):
+    """Without out=, values land in the consumer's host pool: one registration serves every
+    later value of that size (fresh memory each time would be registered each time)."""
+    producer, consumer = pair
+    refs = [producer.call(f"{T}:put_kept", f"plain{i}", 3 * MIB, 20 + i) for i in range(4)]
+    result = consumer.call(f"{T}:read_plain", refs)
+    assert result["digests"] == [producer.call(f"{T}:kept_digest", f"plain{i}") for i in range(4)]
+    assert result["pool_reused"] >= 3
+    assert result["registered"] <= 1  # the first value's buffer, unless an earlier test's is still registered
+
+
 def test_producer_killed_mid_read_is_owner_died_and_consumer_stays_usable(pair, tmp_path):
     _, consumer = pair
     victim = Worker(env=NODE_A)
