@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -157,6 +158,9 @@ def test_bench_smoke_every_scenario_tiny_sizes_checked(tmp_path):
         "torch.distributed gloo broadcast",
     ):
         assert baseline in methods
+    if importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl_cu13"):
+        bare = [r for r in rows if r["method"] == "bare NIXL"]
+        assert [r["nbytes"] for r in bare] == [4096, 65536] and all(r["baseline"] for r in bare)
     assert {r["tensors"] for r in rows if r["scenario"] == "many-tensors"} == {1, 16, 256, 1024}
     ours = [r for r in rows if r["method"] == "tensorwire auto (same node)" and r["scenario"] == "p2p-processes"]
     assert [r["nbytes"] for r in ours] == [4096, 65536]
@@ -199,8 +203,8 @@ def test_bench_plot_and_progress(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     drawn = [(int(a), int(b)) for a, b in re.findall(r"bench: +\d+%\|[^|]*\| (\d+)/(\d+) \[", done.stderr)]
     steps = [c for i, c in enumerate(drawn) if c[0] > 0 and c != drawn[i - 1]]  # the bar at 0, closing redraws: out
-    # per size: memcpy, auto (same node), auto (other node), shm; then bare gloo and bare ucxx: each step drawn
-    assert drawn[0][0] == 0 and steps == [(i, 10) for i in range(1, 11)], done.stderr[-800:]
+    # per size: memcpy, auto (same node), auto (other node), shm; then bare gloo, bare ucxx, bare NIXL: each drawn
+    assert drawn[0][0] == 0 and steps == [(i, 11) for i in range(1, 12)], done.stderr[-800:]
     assert "bench:" not in done.stdout  # the bar stays on stderr
 
 

@@ -236,6 +236,64 @@ def gloo_stop() -> None:
     _state.pop("gloo_store", None)
 
 
+# ---------------------------------------------------------------------- bare NIXL (one-sided READ)
+
+
+def nixl_start(role: str) -> None:
+    """A NIXL agent of this benchmark's own, besides tensorwire's: UCX backend, its progress
+    thread pausing as tensorwire's does (NIXL's default spin would slow both sides here)."""
+    from tensorwire.transport.nixl import new_agent
+
+    _state["nixl"] = new_agent(f"bench-{role}-{time.monotonic_ns()}", ["UCX"])
+
+
+def nixl_offer(nbytes: int) -> tuple[bytes, list[tuple[int, int, int]]]:
+    """Producer: register the pattern of ``nbytes`` (kept until :func:`nixl_stop`); the agent's
+    metadata, which names the registration, and the buffer's descriptor rows."""
+    agent, data = _state["nixl"], pattern(nbytes)
+    _state.setdefault("nixl_regs", []).append((data, agent.register_memory([(data.data_ptr(), nbytes, 0, "")], "DRAM")))
+    return agent.get_agent_metadata(), [(data.data_ptr(), nbytes, 0)]
+
+
+def nixl_fetch(  # noqa: PLR0917 - called positionally through the peer pipe
+    metadata: bytes, rows: list, nbytes: int, iterations: int, warmups: int, check: bool
+) -> dict:
+    """Consumer: READ the offered buffer into a registered one; a transfer handle made and
+    released per READ (as tensorwire's nixl does per fetch); timed per READ."""
+    agent = _state["nixl"]
+    peer, out = agent.add_remote_agent(metadata), torch.zeros(nbytes, dtype=torch.uint8)
+    registered = agent.register_memory([(out.data_ptr(), nbytes, 0, "")], "DRAM")
+    local, remote = agent.get_xfer_descs([(out.data_ptr(), nbytes, 0)], "DRAM"), agent.get_xfer_descs(rows, "DRAM")
+    deadline, times, wrong = time.monotonic() + 600, [], 0
+    try:
+        for i in range(warmups + iterations):
+            if check:
+                out.zero_()
+            start = time.perf_counter()
+            handle = agent.initialize_xfer("READ", local, remote, peer)
+            state = agent.transfer(handle)
+            spins = 0
+            while state == "PROC" and time.monotonic() < deadline:
+                state = agent.check_xfer_state(handle)
+                if (spins := spins + 1) > 200:  # let the progress threads run (two cores), as tensorwire's poll does
+                    time.sleep(0)
+            agent.release_xfer_handle(handle)
+            if state != "DONE":
+                raise RuntimeError(f"bare NIXL: a READ ended {state}")
+            if i >= warmups:
+                times.append(time.perf_counter() - start)
+                wrong += check and not matches(out, nbytes, 1)
+    finally:
+        agent.deregister_memory(registered)
+    return {"times": times, "wrong": wrong if check else -1}
+
+
+def nixl_stop() -> None:
+    agent = _state.pop("nixl", None)
+    for _data, registered in _state.pop("nixl_regs", []):
+        agent.deregister_memory(registered)
+
+
 # ---------------------------------------------------------------------- memcpy (the bound on one node)
 
 
@@ -267,7 +325,7 @@ def memcpy(nbytes: int, tensors: int, iterations: int, warmups: int, check: bool
 
 
 _OPS = {f.__name__: f for f in (hold, tw_fetch, ucx_start, ucx_connect, ucx_fetch, ucx_stop, gloo_join, gloo_fetch,
-                                gloo_stop, memcpy)}  # fmt: skip
+                                gloo_stop, nixl_start, nixl_fetch, nixl_stop, memcpy)}  # fmt: skip
 
 
 def dispatch(operation: str, *args: Any) -> Any:

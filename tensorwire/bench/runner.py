@@ -5,7 +5,8 @@ Scenarios (``--scenarios``, all by default):
 * ``p2p-processes``: this process puts a value; a peer process on this node, and one that
   claims another node (``TENSORWIRE_NODE_ID``), fetch it: automatic choice and every usable
   transport forced. Baselines: bare torch.distributed gloo and bare ucxx between the same two
-  processes (ask, then send; as a fetch does), and single-thread memcpy (the one-node bound).
+  processes (ask, then send; as a fetch does), bare NIXL (the peer READs a buffer this process
+  registered; with nixl installed), and single-thread memcpy (the one-node bound).
 * ``many-tensors``: the largest size as 1, 16, 256 and 1,024 tensors; vs memcpy tensor by tensor.
 * ``concurrent``: ``--peers`` same-node processes fetch the largest value at once; aggregate GB/s.
 * ``p2p-actors``: Ray actors: a ``@tw.method`` result passed to another actor, vs Ray's object
@@ -177,6 +178,31 @@ def _bare_pair(kind: str, conn: Any, sizes: list[int], options: Options, notes: 
     return results
 
 
+def _bare_nixl(conn: Any, sizes: list[int], options: Options, notes: list[str]) -> dict[int, dict]:
+    """Bare NIXL: the peer ``conn`` READs a buffer this process registered, per size."""
+    from tensorwire.errors import TransportUnavailableError
+    from tensorwire.transport.nixl import nixl_api
+
+    try:
+        nixl_api()
+    except TransportUnavailableError as e:
+        notes.append(f"bare NIXL: {e}")
+        return {}
+    results: dict[int, dict] = {}
+    try:
+        ops.nixl_start("producer")
+        _ask(conn, "nixl_start", "consumer")
+        for nbytes in sizes:
+            metadata, rows = ops.nixl_offer(nbytes)
+            args = (metadata, rows, nbytes, options.iterations, options.warmups, options.check)
+            results[nbytes] = _ask(conn, "nixl_fetch", *args)
+    finally:
+        with contextlib.suppress(Exception):
+            _ask(conn, "nixl_stop")
+        ops.nixl_stop()
+    return results
+
+
 def _value(nbytes: int, tensors: int, cuda: bool) -> Any:
     value = ops.make_value(nbytes, tensors)
     if cuda:
@@ -239,6 +265,10 @@ def _process_scenarios(options: Options, progress: ProgressBar, notes: list[str]
                     rows.append(make_row("p2p-processes", label, result, baseline=True, nbytes=nbytes, transport=kind,
                                      reason="ask, then send, on a connected pair"))  # fmt: skip
                 progress.step(label)
+            for nbytes, result in _bare_nixl(other, sizes, options, notes).items():
+                rows.append(make_row("p2p-processes", "bare NIXL", result, baseline=True, nbytes=nbytes,
+                                     transport="nixl", reason="one-sided READ of a registered buffer"))  # fmt: skip
+            progress.step("bare NIXL")
 
         largest = sizes[-1]
         if "many-tensors" in options.scenarios:
@@ -333,7 +363,7 @@ def _steps(options: Options) -> int:
     """Progress steps of the selected scenarios (forced transports are added once known)."""
     per_size = {"p2p-processes": 3, "p2p-actors": 4, "one-to-n": 3}  # memcpy + 2 autos; 4 methods; 3 methods
     steps = sum(per_size.get(s, 0) for s in options.scenarios) * len(options.sizes)
-    steps += 2 * ("p2p-processes" in options.scenarios)  # bare gloo, bare ucxx
+    steps += 3 * ("p2p-processes" in options.scenarios)  # bare gloo, bare ucxx, bare NIXL
     steps += len(MANY_TENSORS) * ("many-tensors" in options.scenarios) + ("concurrent" in options.scenarios)
     return steps
 

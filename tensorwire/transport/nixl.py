@@ -34,9 +34,10 @@ from tensorwire.errors import (
     TransportUnavailableError,
 )
 from tensorwire.transport.base import Capabilities, FetchRequest, PeerInfo, StoredObject, Transport
+from tensorwire.transport.config import ucxx_settings_hidden
 from tensorwire.transport.costs import CostEstimate, CostModel, MemoryKind, Placement
 
-__all__ = ["BACKENDS_ENV", "CACHE_ENV", "NixlTransport", "nixl_api", "stats"]
+__all__ = ["BACKENDS_ENV", "CACHE_ENV", "NixlTransport", "new_agent", "nixl_api", "stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,20 @@ def nixl_api() -> Any:
     raise TransportUnavailableError("nixl: NIXL is not installed: pip install 'tensorwire[nixl]' (or nixl-cu12)")
 
 
-def backends() -> list[str]:
-    """The NIXL backends to create (``TENSORWIRE_NIXL_BACKENDS``, default ``UCX``)."""
-    return [b.strip() for b in os.environ.get(BACKENDS_ENV, "UCX").split(",") if b.strip()] or ["UCX"]
+def new_agent(name: str, wanted: Sequence[str] = ()) -> Any:
+    """A NIXL agent with ``wanted`` backends (default ``TENSORWIRE_NIXL_BACKENDS``, else ``UCX``) whose progress
+    thread pauses ``TENSORWIRE_NIXL_PROGRESS_US`` between polls (NIXL's default spins a core)."""
+    api = nixl_api()
+    wanted = list(wanted) or [b.strip() for b in os.environ.get(BACKENDS_ENV, "UCX").split(",") if b.strip()] or ["UCX"]
+    sync = getattr(api, "nixl_thread_sync_t", None)  # tensorwire fetches and exports from several threads
+    config = api.nixl_agent_config(backends=wanted, **({"sync_mode": sync.NIXL_THREAD_SYNC_RW} if sync else {}))
+    with _making, ucxx_settings_hidden():  # the API's constructor, patched meanwhile: one agent at a time
+        bind, make = api.nixlBind, api.nixlBind.nixlAgent
+        bind.nixlAgent = lambda agent_name, c: (setattr(c, "pthrDelay", _PROGRESS_US), make(agent_name, c))[1]
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bind.nixlAgent = make
 
 
 def _region(tensor: Any) -> tuple[int, int, bool, int]:
@@ -87,19 +99,10 @@ class _Agent:
     def __init__(self, name: str) -> None:
         import torch
 
-        api = nixl_api()
-        wanted = backends()
-        sync = getattr(api, "nixl_thread_sync_t", None)  # tensorwire fetches and exports from several threads
-        config = api.nixl_agent_config(backends=wanted, **({"sync_mode": sync.NIXL_THREAD_SYNC_RW} if sync else {}))
-        bind, make = api.nixlBind, api.nixlBind.nixlAgent  # called with the config the API built: set the pause
-        bind.nixlAgent = lambda agent_name, c: (setattr(c, "pthrDelay", _PROGRESS_US), make(agent_name, c))[1]
-        try:  # under _agent's lock: no other agent is made meanwhile
-            self.nixl = api.nixl_agent(name, config)
-        finally:
-            bind.nixlAgent = make
+        self.nixl = new_agent(name)
         if not self.nixl.backends:
-            raise TransportUnavailableError(f"nixl: none of the backends {wanted} ({BACKENDS_ENV}) could be "
-                                            f"created; plug-ins available: {self.nixl.get_plugin_list()}")  # fmt: skip
+            raise TransportUnavailableError(f"nixl: none of the backends in {BACKENDS_ENV} could be created; "
+                                            f"plug-ins available: {self.nixl.get_plugin_list()}")  # fmt: skip
         self.name, self.lock, self.next_sweep, self.ids = name, threading.RLock(), 0.0, itertools.count(1)
         self.capacity = max(16, int(os.environ.get(CACHE_ENV, "512")))
         self.regs: OrderedDict[tuple[int, int, bool, int], _Reg] = OrderedDict()
@@ -215,8 +218,7 @@ class _Agent:
                 name = self.nixl.add_remote_agent(blob)
                 if (name.decode() if isinstance(name, bytes) else name) != handle.name:
                     raise TransportError(f"nixl: metadata in a handle does not belong to agent {handle.name}")
-            if known is None:
-                self.stats["metadata_loads"] += 1
+            self.stats["metadata_loads"] += known is None
             self.stats["partial_loads"] += 1
             self.remote.setdefault(handle.name, set()).update(handle.rids)
 
@@ -255,7 +257,7 @@ class _Agent:
             return free.pop() if free else None
 
 
-_lock = threading.Lock()
+_lock, _making = threading.Lock(), threading.Lock()
 _process: dict[int, _Agent] = {}
 _names: dict[int, str] = {}
 
@@ -299,8 +301,7 @@ class _Handle:
                             len(self.rows), self.flag_addr, self.tag)  # fmt: skip
         parts = [head, self.name.encode(), self.conn_md]
         parts += [struct.pack("!I", len(b)) + b for b in self.partials]
-        parts += [np.asarray(self.rids, dtype=">u8").tobytes(), self.rows.astype(_ROW).tobytes()]
-        return b"".join(parts)
+        return b"".join([*parts, np.asarray(self.rids, dtype=">u8").tobytes(), self.rows.astype(_ROW).tobytes()])
 
 
 @functools.lru_cache(maxsize=64)  # the same reference fetched again: its handle checked and decoded once
@@ -490,8 +491,7 @@ class NixlTransport(Transport):
                 if not self.context.peer_may_be_alive(owner) or (remote_machine and now >= next_status):
                     next_status = now + _POLL_S[1]
                     self.context.check_owner(request)  # raises OwnerDiedError / PeerLostError
-            spins += 1
-            if spins > 200:
+            if (spins := spins + 1) > 200:
                 time.sleep(0 if now - start < 0.002 else 0.0001)
 
     def _failed(self, request: FetchRequest, what: str) -> None:
