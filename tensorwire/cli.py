@@ -114,10 +114,7 @@ def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
         results.append(("RDMA", "warn", "no InfiniBand/RoCE NIC: cross-node traffic uses TCP"))
     nixl = str(libraries.get("nixl", ""))
     if not nixl.startswith("not installed"):
-        rdma = bool(node["rdma_nics"]) and "ib_" in nixl
-        backends = os.environ.get("TENSORWIRE_NIXL_BACKENDS", "UCX")
-        seen = "its UCX has verbs modules and sees RDMA NICs" if rdma else "no RDMA NIC: its UCX uses TCP across nodes"
-        results.append(("NIXL", "ok" if rdma else "warn", f"{nixl}; backends {backends}; {seen}"))
+        results.append(_nixl_report(nixl))
 
     agent = runtime_agent()
     large = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
@@ -133,6 +130,23 @@ def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
             bar.step(name)
     results.extend(_ucx_report(agent))
     return results
+
+
+def _nixl_report(library: str) -> tuple[str, str, str]:
+    """NIXL's wheel, the backends an agent made now has, and the RDMA devices its bundled verbs
+    library lists (what its UCX's ib transports would open)."""
+    from tensorwire.transport import nixl
+    from tensorwire.transport.topology import nixl_verbs_devices
+
+    try:
+        backends = ", ".join(nixl.new_agent(f"tw-doctor-{os.getpid()}").backends) or "none"
+    except Exception as e:  # noqa: BLE001 - reported, the transport check says the rest
+        backends = f"none ({type(e).__name__}: {e})"
+    devices = nixl_verbs_devices()
+    if isinstance(devices, list) and devices:
+        return "NIXL", "ok", f"{library}; backends {backends}; its verbs library sees RDMA devices {', '.join(devices)}"
+    why = devices if isinstance(devices, str) else "its verbs library lists none"
+    return "NIXL", "warn", f"{library}; backends {backends}; no RDMA device ({why}): its UCX uses TCP across nodes"
 
 
 def _check_transport(

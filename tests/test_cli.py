@@ -158,9 +158,15 @@ def test_doctor_checks_every_transport_with_a_real_transfer(doctor_json):
     if "nixl" in registry.registered_transports():  # installed (the test extra has nixl-cu12)
         assert "transport nixl" in ok and ("transport nixl", "other node, 1024 KiB") in details
         nixl = next(r for r in results if r["check"] == "NIXL")  # its wheel, plug-ins, UCX modules, RDMA
-        assert "plugins" in nixl["detail"] and "UCX" in nixl["detail"] and "backends UCX" in nixl["detail"]
+        assert "plugins" in nixl["detail"] and "UCX" in nixl["detail"] and "backends UCX;" in nixl["detail"]
         if not hardware()["rdma"]:
-            assert nixl["status"] == "warn" and "no RDMA NIC" in nixl["detail"]
+            assert nixl["status"] == "warn" and "no RDMA device" in nixl["detail"]
+    from tensorwire.transport import cma
+
+    direct = next(r for r in results if r["check"] == "shm direct reads")  # detected once, reported
+    why_not = cma.unavailable_reason()
+    assert (direct["status"], direct["detail"]) == (("ok", "process_vm_readv allowed: one copy per shm fetch")
+                                                    if why_not is None else ("warn", why_not))  # fmt: skip
 
 
 def test_doctor_reports_a_broken_transport_and_fails():
@@ -204,3 +210,19 @@ def test_topo_address_reports_every_node_of_a_ray_cluster(ray_cluster):
     text = run_cli("topo", "--address", ray_cluster)
     assert text.count("\nnode ") + text.startswith("node ") == len(reports)
     assert f"node {reports[0]['node_id']}" in text and "transports: local (usable)" in text
+
+
+def test_doctor_names_the_rdma_devices_nixls_verbs_library_lists(monkeypatch):
+    from tensorwire import cli
+    from tensorwire.transport import nixl, topology
+
+    monkeypatch.setattr(nixl, "new_agent", lambda name: type("Agent", (), {"backends": ["UCX", "LIBFABRIC"]})())
+    monkeypatch.setattr(topology, "nixl_verbs_devices", lambda: ["mlx5_0", "mlx5_1"])
+    assert cli._nixl_report("nixl-cu12 1.5.1") == (
+        "NIXL",
+        "ok",
+        "nixl-cu12 1.5.1; backends UCX, LIBFABRIC; its verbs library sees RDMA devices mlx5_0, mlx5_1",
+    )
+    monkeypatch.setattr(topology, "nixl_verbs_devices", lambda: "nixl_cu12 bundles no libibverbs")
+    status, detail = cli._nixl_report("nixl-cu12 1.5.1")[1:]
+    assert status == "warn" and "no RDMA device (nixl_cu12 bundles no libibverbs)" in detail

@@ -387,6 +387,40 @@ def _nixl_library() -> str:
     return "not installed (pip install 'tensorwire[nixl]' or nixl-cu12)"
 
 
+def nixl_verbs_devices() -> list[str] | str:
+    """The RDMA devices the verbs library bundled in the NIXL wheel lists (what its UCX's ``ib``
+    transports would open), or why it lists none. Opens no device. Unverified on a machine
+    with RDMA devices (the build VM has none)."""
+    import ctypes
+    import glob
+    from importlib import util
+
+    for dist in ("nixl_cu12", "nixl_cu13"):
+        spec = util.find_spec(dist)
+        if spec is None or not spec.origin:
+            continue
+        found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(spec.origin)), f"{dist}.libs",
+                                              "libibverbs*.so*")))  # fmt: skip
+        if not found:
+            return f"{dist} bundles no libibverbs"
+        try:
+            verbs = ctypes.CDLL(found[0], use_errno=True)
+        except OSError as e:
+            return f"its libibverbs does not load ({e})"
+        verbs.ibv_get_device_list.restype = ctypes.POINTER(ctypes.c_void_p)
+        verbs.ibv_get_device_list.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        verbs.ibv_get_device_name.restype, verbs.ibv_get_device_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+        count = ctypes.c_int(0)
+        devices = verbs.ibv_get_device_list(ctypes.byref(count))
+        if not devices:
+            return f"its libibverbs lists no device ({os.strerror(ctypes.get_errno()) or 'none found'})"
+        try:
+            return [verbs.ibv_get_device_name(devices[i]).decode() for i in range(count.value)]
+        finally:
+            verbs.ibv_free_device_list(devices)
+    return "NIXL is not installed"
+
+
 def describe_node() -> dict[str, object]:
     """This node's facts as plain data (JSON-ready). Never raises; missing facts give reasons."""
     from tensorwire.transport.accelerators import VENDORS, deciding_variable, furiosa_partition, visible_ids
