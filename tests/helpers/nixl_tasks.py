@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 import tensorwire as tw
+from tensorwire.collectives import sync_hooks
 from tensorwire.transport import nixl
 from tests.helpers.tasks import digest
 
@@ -155,3 +157,26 @@ def read_plain(refs: list[tw.Ref]) -> dict:
         "registered": nixl.stats()["registered"] - registered,
         "pool_reused": agent().host_pool.stats()["reused"] - reused,
     }
+
+
+def sync_twice(role: str, specs: list, tensors: int) -> list[dict]:
+    """Push (``role`` "send") or receive two versions into one holder's weights, the sender
+    changing them in place between; per version its digest and the registrations it took here."""
+    from tests.collectives import standalone
+
+    actor = standalone.holder(tensors, "cpu", seed=3 if role == "send" else None)
+    results = []
+    for spec in specs:
+        nixl._agent()
+        registered = nixl.stats()["registered"]
+        run = sync_hooks.send if role == "send" else sync_hooks.receive
+        result = dataclasses.asdict(run(actor, spec))
+        result.update(digest=digest(actor.weights), registered=nixl.stats()["registered"] - registered)
+        if role == "send":
+            sync_hooks.release(None, spec.sync_id)  # after the receiver has it: the caller orders the calls
+            for weight in actor.weights.values():
+                weight.mul_(-1)  # a training step: the same memory, new values
+        else:
+            sync_hooks.release(actor, spec.sync_id)
+        results.append(result)
+    return results

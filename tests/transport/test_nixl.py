@@ -80,6 +80,32 @@ def test_other_node_dtypes_and_out_buffer(pair):
     assert same_buffer and got_digest == digest(torch.randn(257, 33, generator=torch.Generator().manual_seed(2)))
 
 
+def test_other_node_nested_odd_and_large_values(pair):
+    """The conformance suite's harder values over UCX's TCP path to a claimed other node:
+    nesting with non-tensor leaves, zero-dim, empty, non-contiguous and bool tensors, a view
+    request (nixl copies), and 256 MiB."""
+    import torch
+
+    from tests.helpers.tasks import digest
+
+    gen = torch.Generator().manual_seed(4)
+    value = {
+        "layers": [torch.tensor(3.5), torch.empty(0, 3), torch.randn(64, 48, generator=gen).t()[::2]],
+        "mask": (torch.rand(1000, generator=gen) > 0.5, torch.arange(-100, 100, dtype=torch.int8)),
+        "step": 7,
+        "name": "policy",
+        "big": torch.randn(300_000, generator=gen),
+    }
+    producer, consumer = pair
+    ref = producer.call(f"{T}:put_value", value)
+    assert consumer.call("tests.helpers.tasks:get_transport", ref, transport="nixl") == (digest(value), "nixl")
+    assert consumer.call("tests.helpers.tasks:get_digest", ref, transport="nixl", view=True) == digest(value)
+    ref = producer.call(f"{T}:put_kept", "large", 256 * MIB, 11)
+    expected = producer.call(f"{T}:kept_digest", "large")
+    assert consumer.call("tests.helpers.tasks:get_transport", ref, transport="nixl") == (expected, "nixl")
+    producer.call(f"{T}:free_kept")
+
+
 def test_metadata_once_per_peer_and_registrations_reused(pair):
     """Six objects on one tensor's memory (a parameter returned six times), read into one
     out= buffer: the producer registers once, the consumer loads partial metadata once and
@@ -235,6 +261,44 @@ def test_weight_sync_to_a_receiver_on_another_node_over_nixl():
     assert sent["failed"] == {} and sent["sent_nbytes"] == plan.nbytes
     assert received["digest"] == sent["digest"] and received["in_place"] and received["version"] == 1
     assert received["transports"] == {"nixl": buckets}, received["transports"]
+
+
+def test_weight_sync_registers_the_trainers_memory_once_across_pushes():
+    """Two pushes of the same parameters (changed in place between, as a training step does)
+    to a receiver on another node: the second registers nothing new on either side."""
+    from tensorwire.collectives.layout import Box, HeldParam
+    from tensorwire.collectives.plan import plan_sync
+    from tensorwire.collectives.sync_hooks import PushSpec, assign_roles
+
+    base = {"TENSORWIRE_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+    workers = [Worker(env={**base, "TENSORWIRE_NODE_ID": n}) for n in ("ws2-node-a", "ws2-node-b")]
+    try:
+        tensors = 24
+        layout = tuple(HeldParam(f"w{i}", (1 << 16,), "float32", Box.full((1 << 16,))) for i in range(tensors))
+        plan = plan_sync([layout], [layout])
+        descriptions = [w.call("tests.collectives.standalone:describe") for w in workers]
+        roles, _ = assign_roles(plan, [0], trainer_layouts=[layout], receiver_layouts=[layout],
+                                descriptions=descriptions, bucket_bytes=1 << 20)  # fmt: skip
+
+        def spec(rank: int, version: int) -> PushSpec:
+            return PushSpec(sync_id="nixl-ws2", name="weights", version=version, channel=f"tw-sync-ws2-{version}",
+                            members=tuple(descriptions), rank=rank, where="weights", layout=layout,
+                            roles=roles[rank], verify=True, transport="nixl", timeout_s=60.0)  # fmt: skip
+
+        def specs(rank: int) -> list[PushSpec]:
+            return [spec(rank, 1), spec(rank, 2)]
+
+        workers[0].send(f"{T}:sync_twice", "send", specs(0), tensors)
+        workers[1].send(f"{T}:sync_twice", "receive", specs(1), tensors)
+        sent, received = [w.result(timeout_s=240) for w in workers]
+    finally:
+        for w in workers:
+            w.close()
+    assert [r["failed"] for r in sent] == [{}, {}]
+    assert [r["digest"] for r in received] == [r["digest"] for r in sent] and sent[0]["digest"] != sent[1]["digest"]
+    assert sent[0]["registered"] >= 1 and received[0]["registered"] >= 1  # the first push registers
+    assert (sent[1]["registered"], received[1]["registered"]) == (0, 0), (sent, received)
+    assert [set(r["transports"]) for r in received] == [{"nixl"}, {"nixl"}]
 
 
 def test_tensorwire_collective_backend_reads_over_nixl_across_nodes():
