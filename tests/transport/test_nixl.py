@@ -231,28 +231,36 @@ def test_thousand_new_objects_keep_caches_bounded_and_memory_flat():
         assert after - before < 48 * MIB, rss
 
 
-def test_weight_sync_to_a_receiver_on_another_node_over_nixl():
+def _push_specs(workers: list[Worker], tensors: int, sync_id: str, transport: str, versions: tuple[int, ...]):
+    """A push of ``tensors`` float32 parameters (64 Ki elements each) from ``workers[0]`` to
+    ``workers[1]``: per rank its spec for each version; the plan; its bucket count."""
     from tensorwire.collectives.layout import Box, HeldParam
     from tensorwire.collectives.plan import plan_sync
     from tensorwire.collectives.sync_hooks import PushSpec, assign_roles
 
+    layout = tuple(HeldParam(f"w{i}", (1 << 16,), "float32", Box.full((1 << 16,))) for i in range(tensors))
+    plan = plan_sync([layout], [layout])
+    descriptions = tuple(w.call("tests.collectives.standalone:describe") for w in workers)
+    roles, buckets = assign_roles(plan, [0], trainer_layouts=[layout], receiver_layouts=[layout],
+                                  descriptions=list(descriptions), bucket_bytes=1 << 20)  # fmt: skip
+    specs = [[PushSpec(sync_id=sync_id, name="weights", version=v, channel=f"tw-sync-{sync_id}-{v}",
+                       members=descriptions, rank=rank, where="weights", layout=layout, roles=roles[rank],
+                       verify=True, transport=transport, timeout_s=60.0) for v in versions]
+             for rank in (0, 1)]  # fmt: skip
+    return specs, plan, buckets
+
+
+def _node_workers(prefix: str) -> list[Worker]:
     base = {"TENSORWIRE_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    workers = [Worker(env={**base, "TENSORWIRE_NODE_ID": n}) for n in ("ws-node-a", "ws-node-b")]
+    return [Worker(env={**base, "TENSORWIRE_NODE_ID": f"{prefix}-{n}"}) for n in ("a", "b")]
+
+
+def test_weight_sync_to_a_receiver_on_another_node_over_nixl():
+    workers, tensors = _node_workers("ws-node"), 40
     try:
-        tensors = 40
-        layout = tuple(HeldParam(f"w{i}", (1 << 16,), "float32", Box.full((1 << 16,))) for i in range(tensors))
-        plan = plan_sync([layout], [layout])
-        descriptions = [w.call("tests.collectives.standalone:describe") for w in workers]
-        roles, buckets = assign_roles(plan, [0], trainer_layouts=[layout], receiver_layouts=[layout],
-                                      descriptions=descriptions, bucket_bytes=1 << 20)  # fmt: skip
-
-        def spec(rank: int) -> PushSpec:
-            return PushSpec(sync_id="nixl-ws", name="weights", version=1, channel="tw-sync-nixl-1",
-                            members=tuple(descriptions), rank=rank, where="weights", layout=layout,
-                            roles=roles[rank], verify=True, transport="", timeout_s=60.0)  # fmt: skip
-
-        workers[0].send("tests.collectives.standalone:sync_send", spec(0), tensors, "cpu")
-        workers[1].send("tests.collectives.standalone:sync_receive", spec(1), tensors, "cpu")
+        specs, plan, buckets = _push_specs(workers, tensors, "nixl-ws", "", (1,))
+        workers[0].send("tests.collectives.standalone:sync_send", specs[0][0], tensors, "cpu")
+        workers[1].send("tests.collectives.standalone:sync_receive", specs[1][0], tensors, "cpu")
         sent, received = [w.result(timeout_s=180) for w in workers]
         workers[0].call("tests.collectives.standalone:release", "nixl-ws")
     finally:
@@ -266,30 +274,11 @@ def test_weight_sync_to_a_receiver_on_another_node_over_nixl():
 def test_weight_sync_registers_the_trainers_memory_once_across_pushes():
     """Two pushes of the same parameters (changed in place between, as a training step does)
     to a receiver on another node: the second registers nothing new on either side."""
-    from tensorwire.collectives.layout import Box, HeldParam
-    from tensorwire.collectives.plan import plan_sync
-    from tensorwire.collectives.sync_hooks import PushSpec, assign_roles
-
-    base = {"TENSORWIRE_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    workers = [Worker(env={**base, "TENSORWIRE_NODE_ID": n}) for n in ("ws2-node-a", "ws2-node-b")]
+    workers, tensors = _node_workers("ws2-node"), 24
     try:
-        tensors = 24
-        layout = tuple(HeldParam(f"w{i}", (1 << 16,), "float32", Box.full((1 << 16,))) for i in range(tensors))
-        plan = plan_sync([layout], [layout])
-        descriptions = [w.call("tests.collectives.standalone:describe") for w in workers]
-        roles, _ = assign_roles(plan, [0], trainer_layouts=[layout], receiver_layouts=[layout],
-                                descriptions=descriptions, bucket_bytes=1 << 20)  # fmt: skip
-
-        def spec(rank: int, version: int) -> PushSpec:
-            return PushSpec(sync_id="nixl-ws2", name="weights", version=version, channel=f"tw-sync-ws2-{version}",
-                            members=tuple(descriptions), rank=rank, where="weights", layout=layout,
-                            roles=roles[rank], verify=True, transport="nixl", timeout_s=60.0)  # fmt: skip
-
-        def specs(rank: int) -> list[PushSpec]:
-            return [spec(rank, 1), spec(rank, 2)]
-
-        workers[0].send(f"{T}:sync_twice", "send", specs(0), tensors)
-        workers[1].send(f"{T}:sync_twice", "receive", specs(1), tensors)
+        specs, _, _ = _push_specs(workers, tensors, "nixl-ws2", "nixl", (1, 2))
+        workers[0].send(f"{T}:sync_twice", "send", specs[0], tensors)
+        workers[1].send(f"{T}:sync_twice", "receive", specs[1], tensors)
         sent, received = [w.result(timeout_s=240) for w in workers]
     finally:
         for w in workers:
