@@ -282,13 +282,11 @@ def _get_one(
     same_process = desc.owner.agent_id == agent.peer.agent_id
     dst: list[torch.Tensor | None] | None = None
     if out_tensors or not (view or same_process):
-        dst = []  # receive straight into the caller's memory where it is contiguous
-        for i in range(len(desc.metas)):
-            buffer = out_tensors.get(i)
-            usable = buffer is not None and (buffer.is_cpu or buffer.is_cuda) and buffer.is_contiguous()
-            dst.append(buffer if usable else None)
+        buffers = [out_tensors.get(i) for i in range(len(desc.metas))]  # straight into the caller's memory
+        dst = [b if b is not None and (b.is_cpu or b.is_cuda) and b.is_contiguous() else None for b in buffers]
     targets = _targets(desc.metas, device)
-    pooled = pooled or "nixl" in state.handles  # nixl registers destinations: a pooled one is registered once
+    # from another node nixl READs into registered memory: pooled memory is registered once
+    pooled = pooled or ("nixl" in state.handles and desc.owner.node_id != agent.peer.node_id)
     lease = fill_from_pool(agent.host_pool, desc.metas, desc.packed_nbytes, dst, targets) if pooled and dst else None
     failed = True  # a transport that failed may still be writing into the lease: never reuse it then
     try:
