@@ -164,7 +164,7 @@ def test_doctor_checks_every_transport_with_a_real_transfer(doctor_json):
     from tensorwire.transport import cma
 
     direct = next(r for r in results if r["check"] == "shm direct reads")  # detected once, reported
-    why_not = cma.unavailable_reason()
+    why_not = cma._probe()  # as a new process finds it (this one may have turned direct reads off)
     assert (direct["status"], direct["detail"]) == (("ok", "process_vm_readv allowed: one copy per shm fetch")
                                                     if why_not is None else ("warn", why_not))  # fmt: skip
 

@@ -270,21 +270,27 @@ def nixl_fetch(  # noqa: PLR0917 - called positionally through the peer pipe
             if check:
                 out.zero_()
             start = time.perf_counter()
-            handle = agent.initialize_xfer("READ", local, remote, peer)
-            state = agent.transfer(handle)
-            spins = 0
-            while state == "PROC" and time.monotonic() < deadline:
-                state = agent.check_xfer_state(handle)
-                if (spins := spins + 1) > 200:  # let the progress threads run (two cores), as tensorwire's poll does
-                    time.sleep(0)
-            agent.release_xfer_handle(handle)
+            handle, state, spins = agent.initialize_xfer("READ", local, remote, peer), "ERR", 0
+            try:
+                state = agent.transfer(handle)
+                while state == "PROC" and time.monotonic() < deadline:
+                    state = agent.check_xfer_state(handle)
+                    if (spins := spins + 1) > 200:  # let the progress threads run (two cores), as tensorwire's does
+                        time.sleep(0)
+            finally:
+                if state != "PROC":  # one still running may land later: its handle and memory are kept
+                    agent.release_xfer_handle(handle)
             if state != "DONE":
+                _state.setdefault("nixl_kept", []).append((out, registered))
+                registered = None
                 raise RuntimeError(f"bare NIXL: a READ ended {state}")
             if i >= warmups:
                 times.append(time.perf_counter() - start)
                 wrong += check and not matches(out, nbytes, 1)
     finally:
-        agent.deregister_memory(registered)
+        if registered is not None:
+            agent.deregister_memory(registered)
+        agent.remove_remote_agent(peer)
     return {"times": times, "wrong": wrong if check else -1}
 
 

@@ -246,6 +246,12 @@ def _get_staged(ref: Ref, device: Any, out: Any, timeout_s: float | None) -> Any
     return _place(skeleton, tensors, metas, _targets(metas, device), _matched_out(skeleton, out, metas))
 
 
+def _registered_once(state: RefState, transport: str, agent: Any) -> bool:
+    """Pooled memory for a fetch nixl may serve from another node: a pooled buffer is registered once."""
+    nixl = "nixl" in state.handles and transport in ("", "nixl") and state.desc.owner.node_id != agent.peer.node_id
+    return nixl and "nixl" not in agent.unusable_transports()
+
+
 def _get_one(
     ref: Ref,
     *,
@@ -285,8 +291,7 @@ def _get_one(
         buffers = [out_tensors.get(i) for i in range(len(desc.metas))]  # straight into the caller's memory
         dst = [b if b is not None and (b.is_cpu or b.is_cuda) and b.is_contiguous() else None for b in buffers]
     targets = _targets(desc.metas, device)
-    # from another node nixl READs into registered memory: pooled memory is registered once
-    pooled = pooled or ("nixl" in state.handles and desc.owner.node_id != agent.peer.node_id)
+    pooled = pooled or _registered_once(state, transport or state.transport, agent)
     lease = fill_from_pool(agent.host_pool, desc.metas, desc.packed_nbytes, dst, targets) if pooled and dst else None
     failed = True  # a transport that failed may still be writing into the lease: never reuse it then
     try:

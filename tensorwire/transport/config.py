@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Config", "ucxx_settings_hidden", "validate_timeout"]
+__all__ = ["UCX_ENVIRONMENT_LOCK", "Config", "ucxx_settings_hidden", "validate_timeout"]
 
 
 def _env_float(name: str, default: float) -> float:
@@ -107,8 +107,8 @@ class Config:
 # What importing ucxx writes into the environment, each where it was unset (ucxx/__init__.py), for
 # ucxx's own UCX context; another UCX made in the process later (NIXL's bundled one) would read it too.
 _UCXX_SETTINGS = {"UCX_MEMTYPE_CACHE": "n", "UCX_RNDV_THRESH": "8192", "UCX_RNDV_FRAG_MEM_TYPE": "cuda",
-                  "UCX_MAX_RNDV_RAILS": "1"}  # fmt: skip
-_environment_lock = threading.Lock()
+                  "UCX_MAX_RNDV_RAILS": "1", "UCX_CUDA_COPY_MAX_REG_RATIO": "1.0"}  # fmt: skip
+UCX_ENVIRONMENT_LOCK = threading.Lock()  # held while a UCX context of this process reads its settings
 
 
 @contextlib.contextmanager
@@ -117,9 +117,11 @@ def ucxx_settings_hidden() -> Iterator[None]:
 
     They are meant for ucxx's context. Read by NIXL's UCX, ``UCX_RNDV_THRESH=8192`` made its
     1 MiB READ 9x slower on the build VM (1.25-1.60 ms against 0.135 ms). A value that differs
-    from ucxx's, or one set while ucxx is not imported, is the user's and stays.
+    from ucxx's, or any value while ucxx is not imported, stays (a user's value equal to ucxx's
+    own, set before ucxx was imported, is hidden too: the two cannot be told apart). Held under
+    ``UCX_ENVIRONMENT_LOCK``, which tensorwire's ucx transport holds while it makes its context.
     """
-    with _environment_lock:
+    with UCX_ENVIRONMENT_LOCK:
         hidden = {k: v for k, v in _UCXX_SETTINGS.items() if "ucxx" in sys.modules and os.environ.get(k) == v}
         for key in hidden:
             del os.environ[key]

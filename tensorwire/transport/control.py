@@ -72,24 +72,23 @@ _CHANNEL_OPTIONS = [
 _CLIENT_CHANNEL_OPTIONS = [*_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 
 
-_checked_dirs: set[str] = set()  # socket directories made and checked by this process
+_made_dirs: set[str] = set()  # socket directories this process made (or found) already
 
 
 def socket_dir() -> str:
-    """A directory private to this user (0700) for the agents' Unix sockets (checked once per
-    process: every object's export asks for it)."""
+    """A directory private to this user (0700) for the agents' Unix sockets (every object's
+    export asks: made once per process, its owner and mode checked every time)."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     path = os.path.join(base, f"tensorwire-{os.getuid()}")
-    if path in _checked_dirs:
-        return path
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    if path not in _made_dirs:
+        os.makedirs(path, mode=0o700, exist_ok=True)
     info = os.stat(path)
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise PermissionError(
             f"socket directory {path} must be owned by uid {os.getuid()} with mode 0700 "
             f"(found uid {info.st_uid}, mode {oct(info.st_mode & 0o777)}); remove it or fix its permissions"
         )
-    _checked_dirs.add(path)
+    _made_dirs.add(path)
     return path
 
 

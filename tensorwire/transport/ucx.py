@@ -34,6 +34,7 @@ import torch
 from tensorwire.errors import TransportError
 from tensorwire.transport import topology
 from tensorwire.transport.base import Capabilities, CostModel, MemoryKind, PeerInfo
+from tensorwire.transport.config import UCX_ENVIRONMENT_LOCK
 from tensorwire.transport.shutdown import CLOSE_TIMEOUT_S
 from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport
 
@@ -95,18 +96,20 @@ class _Worker:
     def __init__(self) -> None:
         # ucxx sets UCX_MEMTYPE_CACHE, which this UCX no longer reads and warns about on stdout
         # (breaking machine-readable output); a user's own setting is kept.
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         # UCX logs to stdout by default (e.g. "Connection reset by remote peer" when an
         # endpoint of a peer that exited is closed): keep stdout for the program's own output.
-        os.environ.setdefault("UCX_LOG_FILE", "stderr")
-        from ucxx._lib import libucxx as ucx_api
-        from ucxx._lib.arr import Array
+        # Under the lock: a NIXL agent made meanwhile hides ucxx's settings from the environment.
+        with UCX_ENVIRONMENT_LOCK:
+            os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+            os.environ.setdefault("UCX_LOG_FILE", "stderr")
+            from ucxx._lib import libucxx as ucx_api
+            from ucxx._lib.arr import Array
 
+            self.context = ucx_api.UCXContext(
+                config_dict=ucx_config(os.environ), feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
+            )
         self.api = ucx_api
         self.array = Array
-        self.context = ucx_api.UCXContext(
-            config_dict=ucx_config(os.environ), feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
-        )
         self.worker = ucx_api.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
         self._stop = threading.Event()

@@ -140,8 +140,8 @@ def broadcast_and_transports(name: str, rank: int, descriptions: list, src: int)
     return got, [r.transport for r in tw.stats()["recent"][before:]]
 
 
-def read_plain(refs: list[tw.Ref]) -> dict:
-    """Fetch each reference over nixl with no ``out=``, each result dropped before the next
+def read_plain(refs: list[tw.Ref], transport: str = "nixl") -> dict:
+    """Fetch each reference over ``transport`` with no ``out=``, each result dropped before the next
     fetch; the digests, and how many registrations and pool leases that took here."""
     from tensorwire.runtime.ray_env import agent
 
@@ -149,7 +149,7 @@ def read_plain(refs: list[tw.Ref]) -> dict:
     registered, reused = nixl.stats()["registered"], agent().host_pool.stats()["reused"]
     digests = []
     for ref in refs:
-        value = tw.get(ref, transport="nixl")
+        value = tw.get(ref, transport=transport)
         digests.append(digest(value))
         del value  # its memory goes back to the pool
     return {

@@ -108,7 +108,7 @@ def test_socket_is_private_and_tcp_not_on_all_interfaces(agent):
     assert not agent.peer.tcp_address.startswith(("0.0.0.0", "[::]"))
 
 
-def test_socket_dir_refuses_a_shared_directory_and_checks_once(tmp_path, monkeypatch):
+def test_socket_dir_refuses_a_shared_directory_made_once_checked_always(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     shared = tmp_path / f"tensorwire-{os.getuid()}"
     shared.mkdir(mode=0o755)
@@ -117,8 +117,11 @@ def test_socket_dir_refuses_a_shared_directory_and_checks_once(tmp_path, monkeyp
         socket_dir()
     shared.chmod(0o700)
     assert socket_dir() == str(shared)
-    monkeypatch.setattr(os, "stat", lambda *a, **k: pytest.fail("checked again"))
-    assert socket_dir() == str(shared)  # every export asks: the check is made once per process
+    monkeypatch.setattr(os, "makedirs", lambda *a, **k: pytest.fail("made again"))
+    assert socket_dir() == str(shared)  # every export asks: made once per process
+    shared.chmod(0o755)  # changed (or replaced) since: refused again
+    with pytest.raises(PermissionError, match="mode 0700"):
+        socket_dir()
 
 
 def test_transport_layer_never_unpickles():

@@ -134,6 +134,10 @@ def test_plain_gets_land_in_pooled_memory_registered_once(pair):
     assert result["digests"] == [producer.call(f"{T}:kept_digest", f"plain{i}") for i in range(4)]
     assert result["pool_reused"] >= 3
     assert result["registered"] <= 1  # the first value's buffer, unless an earlier test's is still registered
+    refs = [producer.call(f"{T}:put_kept", f"ucx{i}", 3 * MIB, 30 + i) for i in range(2)]
+    result = consumer.call(f"{T}:read_plain", refs, "ucx")  # forced onto a transport that registers nothing
+    assert result["digests"] == [producer.call(f"{T}:kept_digest", f"ucx{i}") for i in range(2)]
+    assert result["pool_reused"] == 0
 
 
 def test_producer_killed_mid_read_is_owner_died_and_consumer_stays_usable(pair, tmp_path):
