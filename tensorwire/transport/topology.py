@@ -9,6 +9,7 @@ import contextlib
 import functools
 import os
 import socket
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from tensorwire.errors import DeviceUnavailableError
@@ -368,16 +369,23 @@ def _transport_libraries() -> dict[str, str]:
     return found
 
 
+def _nixl_wheels() -> Iterator[tuple[str, str]]:
+    """(module, its wheel's bundled-libraries folder) of each installed NIXL wheel, cu12 first."""
+    from importlib import util
+
+    for module in ("nixl_cu12", "nixl_cu13"):
+        spec = util.find_spec(module)
+        if spec is not None and spec.origin:
+            yield module, os.path.join(os.path.dirname(os.path.dirname(spec.origin)), f"{module}.libs")
+
+
 def _nixl_library() -> str:
     """The installed NIXL wheel, its backend plug-ins and its bundled UCX's modules (files only:
     nothing is imported, no agent made)."""
-    from importlib import metadata, util
+    from importlib import metadata
 
-    for dist in ("nixl-cu12", "nixl-cu13"):
-        spec = util.find_spec(dist.replace("-", "_"))
-        if spec is None or not spec.origin:
-            continue
-        libs = os.path.join(os.path.dirname(os.path.dirname(spec.origin)), dist.replace("-", "_") + ".libs")
+    for module, libs in _nixl_wheels():
+        dist = module.replace("_", "-")
         names = os.listdir(libs + "/nixl") if os.path.isdir(libs + "/nixl") else []
         plugins = sorted(n[len("libplugin_") : -3] for n in names if n.startswith("libplugin_") and n.endswith(".so"))
         ucx = os.listdir(libs + "/ucx") if os.path.isdir(libs + "/ucx") else []
@@ -393,16 +401,11 @@ def nixl_verbs_devices() -> list[str] | str:
     with RDMA devices (the build VM has none)."""
     import ctypes
     import glob
-    from importlib import util
 
-    for dist in ("nixl_cu12", "nixl_cu13"):
-        spec = util.find_spec(dist)
-        if spec is None or not spec.origin:
-            continue
-        found = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(spec.origin)), f"{dist}.libs",
-                                              "libibverbs*.so*")))  # fmt: skip
+    for module, libs in _nixl_wheels():
+        found = sorted(glob.glob(os.path.join(libs, "libibverbs*.so*")))
         if not found:
-            return f"{dist} bundles no libibverbs"
+            return f"{module} bundles no libibverbs"
         try:
             verbs = ctypes.CDLL(found[0], use_errno=True)
         except OSError as e:
