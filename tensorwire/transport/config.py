@@ -122,7 +122,8 @@ def ucxx_settings_hidden() -> Iterator[None]:
     ``UCX_ENVIRONMENT_LOCK``, which tensorwire's ucx transport holds while it makes its context.
     """
     with UCX_ENVIRONMENT_LOCK:
-        hidden = {k: v for k, v in _UCXX_SETTINGS.items() if "ucxx" in sys.modules and os.environ.get(k) == v}
+        imported = "ucxx" in sys.modules
+        hidden = {k: v for k, v in _UCXX_SETTINGS.items() if imported and os.environ.get(k) == v}
         for key in hidden:
             del os.environ[key]
         try:
