@@ -12,11 +12,12 @@ consumers hold stay valid.
 
 A consumer that holds a reference keeps the descriptor it received (keyed by object id *and*
 token, so a forged reference in the same process still asks the server), so fetching the
-same object again costs no round trip. The segment ends in a *live* byte after the packed
-bytes: the producer clears it when it frees the object, and a consumer reads it (``pread``)
-before every fetch from a kept descriptor, so a fetch after ``free()`` is still
-``ObjectFreedError``. Kept descriptors are closed when the consumer drops its last reference
-(``forget_object``).
+same object again costs no round trip. After the packed bytes each object has a *live* byte
+(the descriptor server's reported size ends at it): the producer clears it when it frees the
+object, and a consumer reads it (``pread``) before every fetch from a kept descriptor, so a
+fetch after ``free()`` is still ``ObjectFreedError``. Objects of the same unchanged tensors
+share one segment, each with its own live byte (:mod:`tensorwire.transport.segment_reuse`).
+Kept descriptors are closed when the consumer drops its last reference (``forget_object``).
 
 Direct reads (:mod:`tensorwire.transport.cma`): where the kernel lets a process read a
 sibling's memory, a fetch into buffers skips the segment altogether. The producer's export
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 
 from tensorwire.errors import TransportError, TransportUnavailableError
-from tensorwire.transport import cma, memfd, topology
+from tensorwire.transport import cma, memfd, segment_reuse, topology
 from tensorwire.transport.base import (
     Capabilities,
     CostModel,
@@ -61,7 +62,7 @@ __all__ = ["ShmTransport"]
 logger = logging.getLogger(__name__)
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_LIVE, _FREED = b"\x01", b"\x00"
+_LIVE, _FREED = segment_reuse.LIVE, segment_reuse.FREED
 _KEPT_MAX = 1024  # descriptors a consumer keeps for objects it holds (least recently used go)
 _LIVE_WORDS = cma.LiveWords()  # the producer's live words of directly readable objects
 
@@ -77,12 +78,14 @@ class ShmTransport(Transport):
 
     def __init__(self, context: TransportContext) -> None:
         super().__init__(context)
-        self._kept: collections.OrderedDict[tuple[bytes, bytes], int] = collections.OrderedDict()
+        # (descriptor, offset of the object's live byte) by (object id, token)
+        self._kept: collections.OrderedDict[tuple[bytes, bytes], tuple[int, int]] = collections.OrderedDict()
         # re-entrant: a reference's finalizer (forget_object) can run inside forget_object when an
         # allocation there starts the garbage collector on this thread (seen as a hang under load)
         self._kept_lock = threading.RLock()
         self._direct: collections.OrderedDict[tuple[bytes, bytes], cma.DirectRead] = collections.OrderedDict()
         self.copy_threads = COPY_THREADS
+        self.segments = segment_reuse.SegmentCache()  # unchanged tensors returned again share one
 
     def unavailable_reason(self) -> str | None:
         """Any process: usable where ``memfd_create`` and descriptor passing exist (Linux)."""
@@ -107,22 +110,22 @@ class ShmTransport(Transport):
         if cma.enabled():
             slot, live_address, nonce = _LIVE_WORDS.take()
             ranges = [(t.data_ptr() if m.nbytes else 0, m.nbytes) for t, m in zip(obj.tensors, obj.metas, strict=True)]
-            own: list[int] = []
+            own: list[tuple[int, int]] = []
             obj.transport_state[self.name] = (server, own, slot)
             server.offer_lazy(
                 obj.object_id,
                 obj.token,
-                lambda: _served(_pack(obj), own),
+                lambda: _served(self.segments.segment(obj, _pack), own),
                 addresses=cma.pack_addresses(live_address, nonce, ranges),
             )
             return server.path.encode()
-        fd = _pack(obj)
+        fd, live_offset = self.segments.segment(obj, _pack)
         try:
-            server.offer(obj.object_id, obj.token, os.dup(fd), obj.packed_nbytes + len(_LIVE))
+            server.offer(obj.object_id, obj.token, os.dup(fd), live_offset + len(_LIVE))
         except BaseException:
             os.close(fd)
             raise
-        obj.transport_state[self.name] = (server, [fd], None)
+        obj.transport_state[self.name] = (server, [(fd, live_offset)], None)
         return server.path.encode()
 
     def release(self, obj: StoredObject) -> None:
@@ -133,18 +136,20 @@ class ShmTransport(Transport):
             if slot is not None:
                 _LIVE_WORDS.clear(slot)
             server.withdraw(obj.object_id)  # waits for a segment being made
-            for fd in own:
+            for fd, live_offset in own:
                 try:
-                    os.pwrite(fd, _FREED, obj.packed_nbytes)
+                    os.pwrite(fd, _FREED, live_offset)  # this object's byte: others sharing the segment stay
                 finally:
                     os.close(fd)
 
     def close(self) -> None:
-        """Any process, at agent shutdown: close kept descriptors, the server and the client."""
+        """Any process, at agent shutdown: close kept descriptors, cached segments, the server
+        and the client."""
         with self._kept_lock:
             kept, self._kept = list(self._kept.values()), collections.OrderedDict()
-        for fd in kept:
+        for fd, _ in kept:
             os.close(fd)
+        self.segments.close()
         memfd.close_all()
 
     # ---------------------------------------------------------------- consumer
@@ -155,7 +160,7 @@ class ShmTransport(Transport):
             for key in [k for k in list(self._direct) if k[0] == object_id]:
                 self._direct.pop(key, None)
             keys = [k for k in list(self._kept) if k[0] == object_id]
-            fds = [fd for fd in (self._kept.pop(k, None) for k in keys) if fd is not None]
+            fds = [kept[0] for kept in (self._kept.pop(k, None) for k in keys) if kept is not None]
         for fd in fds:
             os.close(fd)
 
@@ -163,28 +168,28 @@ class ShmTransport(Transport):
         """A duplicate of the kept descriptor of a live object (the caller closes it)."""
         key = (request.object_id, request.token)
         with self._kept_lock:
-            fd = self._kept.get(key)
-            if fd is None:
+            kept = self._kept.get(key)
+            if kept is None:
                 return None
             self._kept.move_to_end(key)
-            fd = os.dup(fd)
-        if os.pread(fd, 1, request.packed_nbytes) == _LIVE:
+            fd, live_offset = os.dup(kept[0]), kept[1]
+        if os.pread(fd, 1, live_offset) == _LIVE:
             return fd
         os.close(fd)
         self.forget_object(request.object_id)
         self.context.check_owner(request)  # raises ObjectFreedError / OwnerDiedError
         raise TransportError(f"the shared-memory segment of {request!r} was freed, its owner keeps it")
 
-    def _keep(self, request: FetchRequest, fd: int) -> None:
+    def _keep(self, request: FetchRequest, fd: int, live_offset: int) -> None:
         if not self.context.holds(request.object_id):
             return  # nobody would tell us when to close it
         dropped = []
         with self._kept_lock:
             key = (request.object_id, request.token)
             if key not in self._kept:
-                self._kept[key] = os.dup(fd)
+                self._kept[key] = (os.dup(fd), live_offset)
             while len(self._kept) > _KEPT_MAX:
-                dropped.append(self._kept.popitem(last=False)[1])
+                dropped.append(self._kept.popitem(last=False)[1][0])
         for old in dropped:
             os.close(old)
 
@@ -208,7 +213,7 @@ class ShmTransport(Transport):
         if nbytes < request.packed_nbytes + len(_LIVE):
             os.close(fd)
             raise TransportError(f"the shared-memory segment of {request!r} has {nbytes} bytes, too few")
-        self._keep(request, fd)
+        self._keep(request, fd, nbytes - len(_LIVE))  # the object's live byte ends what the server reports
         return fd
 
     def _addresses(self, request: FetchRequest) -> cma.DirectRead | None:
@@ -299,13 +304,13 @@ class ShmTransport(Transport):
 
 
 def _pack(obj: StoredObject) -> int:
-    """A new segment holding the object's packed bytes and the live byte (the caller owns it)."""
+    """A new segment holding the object's packed bytes, room for its live byte after them (the
+    caller owns it and sets that byte)."""
     fd = memfd.create_memfd(obj.packed_nbytes + len(_LIVE))
     try:
         for tensor, meta in zip(obj.tensors, obj.metas, strict=True):
             if meta.nbytes:
                 _write_all(fd, memoryview(byte_view(tensor).numpy()), meta.offset)
-        os.pwrite(fd, _LIVE, obj.packed_nbytes)
     except OSError as e:
         os.close(fd)
         _raise_no_room(e, obj.packed_nbytes)
@@ -316,10 +321,12 @@ def _pack(obj: StoredObject) -> int:
     return fd
 
 
-def _served(fd: int, own: list[int]) -> tuple[int, int]:
-    """A lazily made segment: the producer keeps ``fd`` (to mark it freed), the server a copy."""
-    own.append(fd)
-    return os.dup(fd), os.fstat(fd).st_size
+def _served(segment: tuple[int, int], own: list[tuple[int, int]]) -> tuple[int, int]:
+    """A lazily made segment: the producer keeps its descriptor and the object's live byte (to
+    mark it freed), the server a copy and the size up to that byte."""
+    own.append(segment)
+    fd, live_offset = segment
+    return os.dup(fd), live_offset + len(_LIVE)
 
 
 def _raise_no_room(error: OSError, size: int) -> None:

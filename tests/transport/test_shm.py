@@ -33,7 +33,10 @@ def segments_only(monkeypatch):
     monkeypatch.setenv("TENSORWIRE_SHM_DIRECT", "0")
 
 
-def test_segment_is_anonymous_and_closed_on_free(agent, worker, segments_only):
+@pytest.mark.parametrize("reuse", ["off", "verify"])
+def test_segment_is_anonymous_and_closed_on_free(agent, worker, segments_only, monkeypatch, reuse):
+    """Freed with its object; where unchanged tensors may share it, once the tensors are gone."""
+    monkeypatch.setenv("TENSORWIRE_SHM_REUSE", reuse)
     before = memfd_segments({os.getpid()})
     named_before = segment_names()
     value = torch.randn(100_000)
@@ -44,7 +47,30 @@ def test_segment_is_anonymous_and_closed_on_free(agent, worker, segments_only):
     assert segment_names() == named_before  # nothing named in /dev/shm while the object lives
     assert worker.call("tests.helpers.tasks:get_transport", pickle.loads(blob)) == (digest(value), "shm")
     tw.free(ref)
+    if reuse == "verify":
+        assert memfd_segments({os.getpid()}) - before == new  # kept for the next object of `value`
+        del value
     assert memfd_segments({os.getpid()}) == before
+
+
+def test_objects_of_an_unchanged_tensor_share_a_segment_and_are_freed_one_by_one(agent, worker, segments_only):
+    before = memfd_segments({os.getpid()})
+    value = torch.randint(0, 256, (300_000,), dtype=torch.uint8)
+    refs = [tw.put(value), tw.put(value)]
+    blobs = [pickle.dumps(ref) for ref in refs]  # the second shares the first's segment
+    assert len(memfd_segments({os.getpid()}) - before) == 1
+    for name, blob in zip("ab", blobs, strict=True):
+        worker.call("tests.helpers.tasks:hold", pickle.loads(blob), name)
+        assert worker.call("tests.helpers.tasks:get_transport", pickle.loads(blob)) == (digest(value), "shm")
+    tw.free(refs[1])  # clears the second object's live byte only; the worker keeps both descriptors
+    assert worker.call("tests.helpers.tasks:get_kept_error", "b", transport="shm") == "ObjectFreedError"
+    assert worker.call("tests.helpers.tasks:get_digest", pickle.loads(blobs[0]), transport="shm") == digest(value)
+    expected = digest(value)
+    value.add_(1)  # written: the next object gets a segment of its own
+    third = tw.put(value)
+    assert worker.call("tests.helpers.tasks:get_digest", third, transport="shm") == digest(value)
+    assert worker.call("tests.helpers.tasks:get_digest", pickle.loads(blobs[0]), transport="shm") == expected
+    assert len(memfd_segments({os.getpid()}) - before) == 2
 
 
 @pytest.mark.parametrize("direct", ["1", "0"])
@@ -167,8 +193,10 @@ def test_direct_read_copies_once_and_makes_no_segment(agent, worker):
     # a view still maps a segment, made on request
     assert len(memfd_segments({os.getpid()}) - before) == 1
     tw.free(ref)
-    assert memfd_segments({os.getpid()}) == before
     assert worker.call("tests.helpers.tasks:get_error", pickle.loads(blob), transport="shm") == "ObjectFreedError"
+    assert len(memfd_segments({os.getpid()}) - before) == 1  # kept for a later view of `value` unchanged
+    del value
+    assert memfd_segments({os.getpid()}) == before
 
 
 def test_address_requests_need_the_token_and_never_make_the_segment(tmp_path):
@@ -336,7 +364,7 @@ def test_forget_object_entered_again_by_a_finalizer_on_its_thread_finishes_and_c
     pipes = [os.pipe() for _ in range(3)]
     for i, (read_end, write_end) in enumerate(pipes):
         os.close(write_end)
-        transport._kept[(b"first" if i == 0 else b"other", bytes([i]))] = read_end
+        transport._kept[(b"first" if i == 0 else b"other", bytes([i]))] = (read_end, 0)
     entered, finished = collector_reenters(
         lambda: transport.forget_object(b"first"),
         inside=ShmTransport.forget_object,
