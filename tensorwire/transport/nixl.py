@@ -6,10 +6,10 @@ bounded. docs/architecture.md ("nixl details") says why each step is as it is.""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hmac
-import importlib
 import importlib.util
 import itertools
 import logging
@@ -103,28 +103,29 @@ class _Agent:
         if not self.nixl.backends:
             raise TransportUnavailableError(f"nixl: none of the backends in {BACKENDS_ENV} could be created; "
                                             f"plug-ins available: {self.nixl.get_plugin_list()}")  # fmt: skip
-        self.name, self.lock, self.next_sweep, self.ids = name, threading.RLock(), 0.0, itertools.count(1)
+        self.name, self.lock, self.stopped, self.ids = name, threading.RLock(), threading.Event(), itertools.count(1)
         self.capacity = max(16, int(os.environ.get(CACHE_ENV, "512")))
         self.regs: OrderedDict[tuple[int, int, bool, int], _Reg] = OrderedDict()
-        self.idle: dict[tuple, _Reg] = {}  # users dropped to 0: checked for freed memory now and then
+        self.idle: dict[tuple, _Reg] = {}  # users dropped to 0: checked for freed memory by _sweep
         self.partials: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
         self.remote: dict[str, set[int]] = {}  # remote agent name -> registration ids loaded
         self.stuck: list[tuple[str, list, list, list, int]] = []  # kept READs: (owner, READs, memory, regs, slot)
-        counters = ("registered", "deregistered", "hits", "metadata_loads", "partial_loads", "leaked_handles")
-        self.stats = dict.fromkeys(counters, 0)
+        self.stats = dict.fromkeys(("registered", "deregistered", "hits", "metadata_loads", "partial_loads",
+                                    "leaked_handles"), 0)  # fmt: skip
         self.conn_md = self.nixl.get_agent_metadata()
         # producer: the tags of live objects; consumer: where tags are read into
         self.table, self.flags = (torch.zeros(_SLOTS, dtype=torch.int64) for _ in range(2))
         self.table_reg, self.flags_reg = self.acquire([self.table, self.flags])
         self.table_np, self.flags_np = self.table.numpy(), self.flags.numpy()  # cheaper to index
         self.free_table, self.free_flags = list(range(_SLOTS)), list(range(_SLOTS))
+        (sweeper := threading.Thread(target=self._sweep, name="tw-nixl-sweep", daemon=True)).start()
+        atexit.register(lambda: (self.stopped.set(), sweeper.join(timeout=2)))  # before NIXL goes at exit
 
     def acquire(self, tensors: Sequence[Any]) -> list[_Reg]:
         """The registrations covering ``tensors``, each used once more (missing ones: one call per kind)."""
         from tensorwire.transport.host_pool import liveness  # a pooled buffer's registration outlives one value
 
         with self.lock:
-            self._sweep()
             found: dict[tuple, _Reg | None] = {}
             missing: dict[tuple, Any] = {}
             for tensor in tensors:
@@ -161,19 +162,18 @@ class _Agent:
         with self.lock:
             for reg in regs:
                 reg.users -= 1
-                if reg.users == 0:
-                    self.idle[reg.key] = reg
+            self.idle.update((r.key, r) for r in regs if r.users == 0)
 
     def _sweep(self) -> None:
-        """Deregister idle registrations whose memory was freed (at most every 0.1 s)."""
-        if time.monotonic() >= self.next_sweep:
-            self.next_sweep = time.monotonic() + 0.1
-            self.settle()
-            for key, reg in list(self.idle.items()):
-                if reg.users or self.regs.get(key) is not reg:
-                    del self.idle[key]
-                elif reg.weak.expired():
-                    self._drop(reg)  # unlisted there too
+        """Thread ``tw-nixl-sweep``, every 0.2 s until exit: settle kept READs, deregister idle freed memory."""
+        while not self.stopped.wait(0.2):
+            with self.lock:
+                self.settle()
+                for key, reg in list(self.idle.items()):
+                    if reg.users or self.regs.get(key) is not reg:
+                        del self.idle[key]
+                    elif reg.weak.expired():
+                        self._drop(reg)  # unlisted there too
 
     def _trim(self) -> None:  # the least recently used unused registrations beyond the capacity go
         excess = len(self.regs) - self.capacity
@@ -254,7 +254,7 @@ class _Agent:
 
     def take(self, free: list[int]) -> int | None:
         with self.lock:
-            return free.pop() if free else None
+            return free.pop() if free else None  # (a list's pop is atomic; the lock orders it with settle)
 
 
 _lock, _making = threading.Lock(), threading.Lock()

@@ -48,6 +48,24 @@ def put_again(name: str) -> tw.Ref:
     return ref
 
 
+def put_alone(name: str, nbytes: int) -> tuple[tw.Ref, tuple]:
+    """Put a new ``nbytes`` tensor kept under ``name``; its reference and its storage's registration key."""
+    _kept[name] = torch.ones(nbytes, dtype=torch.uint8)
+    _kept[f"{name}/ref"] = tw.put(_kept[name])
+    return _kept[f"{name}/ref"], nixl._region(_kept[name])
+
+
+def drop_alone(name: str) -> None:
+    """Free the object ``name`` and drop its tensor: nothing here uses that memory any more."""
+    tw.free(_kept.pop(f"{name}/ref"))
+    del _kept[name]
+
+
+def region_registered(key: tuple) -> bool:
+    with nixl._agent().lock:
+        return tuple(key) in nixl._agent().regs
+
+
 def kept_digest(name: str) -> str:
     return digest(_kept[name])
 

@@ -211,6 +211,19 @@ def test_consumer_killed_mid_read_leaves_the_producer_usable(pair, tmp_path):
     )
 
 
+def test_freed_memory_is_deregistered_without_a_further_transfer(pair):
+    """A freed tensor's registration goes by itself (the sweeper), not at the producer's next
+    export: a trainer that stops exporting does not keep its old memory registered."""
+    producer, consumer = pair
+    ref, key = producer.call(f"{T}:put_alone", "alone", 2 * MIB)
+    assert consumer.call("tests.helpers.tasks:get_transport", ref, transport="nixl")[1] == "nixl"
+    assert producer.call(f"{T}:region_registered", key)
+    before = _count(producer.call(f"{T}:stats"), "deregistered")
+    producer.call(f"{T}:drop_alone", "alone")
+    assert wait_until(lambda: not producer.call(f"{T}:region_registered", key), timeout_s=60)
+    assert _count(producer.call(f"{T}:stats"), "deregistered") > before
+
+
 def test_thousand_new_objects_keep_caches_bounded_and_memory_flat():
     env = {"TENSORWIRE_NIXL_CACHE": "32", "OMP_NUM_THREADS": "1"}
     producer, consumer = Worker(env=env), Worker(env={**env, "TENSORWIRE_NODE_ID": "nixl-new-b"})
