@@ -135,11 +135,11 @@ def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
 def _nixl_report(library: str) -> tuple[str, str, str]:
     """NIXL's wheel, the backends an agent made now has, and the RDMA devices its bundled verbs
     library lists (what its UCX's ib transports would open)."""
-    from tensorwire.transport import nixl
+    from tensorwire.transport import nixl_engine
     from tensorwire.transport.topology import nixl_verbs_devices
 
     try:
-        backends = ", ".join(nixl.new_agent(f"tw-doctor-{os.getpid()}").backends) or "none"
+        backends = ", ".join(nixl_engine.new_agent(f"tw-doctor-{os.getpid()}").backends) or "none"
     except Exception as e:  # noqa: BLE001 - reported, the transport check says the rest
         backends = f"none ({type(e).__name__}: {e})"
     devices = nixl_verbs_devices()

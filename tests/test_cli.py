@@ -214,9 +214,9 @@ def test_topo_address_reports_every_node_of_a_ray_cluster(ray_cluster):
 
 def test_doctor_names_the_rdma_devices_nixls_verbs_library_lists(monkeypatch):
     from tensorwire import cli
-    from tensorwire.transport import nixl, topology
+    from tensorwire.transport import nixl_engine, topology
 
-    monkeypatch.setattr(nixl, "new_agent", lambda name: type("Agent", (), {"backends": ["UCX", "LIBFABRIC"]})())
+    monkeypatch.setattr(nixl_engine, "new_agent", lambda name: type("Agent", (), {"backends": ["UCX", "LIBFABRIC"]})())
     monkeypatch.setattr(topology, "nixl_verbs_devices", lambda: ["mlx5_0", "mlx5_1"])
     assert cli._nixl_report("nixl-cu12 1.5.1") == (
         "NIXL",

@@ -181,7 +181,7 @@ def _bare_pair(kind: str, conn: Any, sizes: list[int], options: Options, notes: 
 def _bare_nixl(conn: Any, sizes: list[int], options: Options, notes: list[str]) -> dict[int, dict]:
     """Bare NIXL: the peer ``conn`` READs a buffer this process registered, per size."""
     from tensorwire.errors import TransportUnavailableError
-    from tensorwire.transport.nixl import nixl_api
+    from tensorwire.transport.nixl_engine import nixl_api
 
     try:
         nixl_api()

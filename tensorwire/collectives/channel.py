@@ -130,6 +130,7 @@ class Channel:
         """
         desc = register_tensors(list(tensors))
         handles = self._agent.export_handles(desc) if export else {}
+        desc = self._agent.described_now(desc)  # the connection info the exports published
         copied = desc.packed_nbytes if "shm" in handles else 0
         return desc, encode_announcement(desc, handles), copied
 

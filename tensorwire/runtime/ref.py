@@ -275,8 +275,9 @@ class Ref:
         its bytes travel inline)."""
         state = self.resolve()
         agent = runtime_agent()
-        handles = state.handles
-        if state.desc.owner.agent_id == agent.peer.agent_id:
-            handles = agent.export_handles(state.desc)
-        pin_id = b"" if carries_value(handles) else agent.ref_pickled(state.desc)
-        return state._replace(handles=handles, pin_id=pin_id)
+        handles, desc = state.handles, state.desc
+        if desc.owner.agent_id == agent.peer.agent_id:
+            handles = agent.export_handles(desc)
+            desc = agent.described_now(desc)  # after the exports: what they published since put
+        pin_id = b"" if carries_value(handles) else agent.ref_pickled(desc)
+        return state._replace(desc=desc, handles=handles, pin_id=pin_id)

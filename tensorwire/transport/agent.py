@@ -200,6 +200,11 @@ class Agent(TransportContext):
         (made once per object; see :meth:`ObjectStore.export_handles`)."""
         return self._store.export_handles(desc)
 
+    def described_now(self, desc: ObjectDescriptor) -> ObjectDescriptor:
+        """Producer: ``desc`` naming this process as it is now, with the connection info its
+        transports published since ``put`` (nixl's agent metadata, once its agent is made)."""
+        return desc if desc.owner is self._peer else replace(desc, owner=self._peer)
+
     def free(self, desc: ObjectDescriptor, *, timeout_s: float | None = None) -> None:
         """Free the object now, wherever its owner is. Idempotent; a dead owner is a no-op."""
         if desc.owner.agent_id == self._peer.agent_id:
@@ -268,7 +273,7 @@ class Agent(TransportContext):
         return self._client.stream(request, transport, params)
 
     def request_export(self, request: FetchRequest, transport: str) -> bytes:
-        return self._client.export(request, transport)
+        return self._client.export(request, transport)[0]
 
     def connect(
         self, peer: PeerInfo, transport: str, payload: bytes, *, timeout_s: float, concurrently: Callable[[], None]

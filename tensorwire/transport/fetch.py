@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -208,11 +209,15 @@ class FetchDispatch:
         view: bool,
     ) -> tuple[list[torch.Tensor], bool]:
         """One transport's try: (tensors, whether they are zero-copy views)."""
-        instance = self._transports[name]
+        instance, owner = self._transports[name], desc.owner
         if request.handle is None and instance.capabilities.needs_export:
-            request = _with_handle(request, self._client.export(request, name))
+            handle, info = self._client.export(request, name)
+            request = _with_handle(request, handle)
+            if info and dict(owner.transport_info).get(name) != info:  # published since the reference left
+                others = tuple(item for item in owner.transport_info if item[0] != name)
+                owner = replace(owner, transport_info=(*others, (name, info)))
         if instance.capabilities.peer_setup:
-            self._transports.peer_setup.ensure(instance, desc.owner)
+            self._transports.peer_setup.ensure(instance, owner)
         if view and instance.capabilities.zero_copy_view:
             tensors = instance.view(request)
             if instance.capabilities.needs_device_access:

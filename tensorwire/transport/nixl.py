@@ -1,12 +1,14 @@
 """``nixl``: one-sided READ through NVIDIA's NIXL engine (extra ``nixl``; the ``tensorwire.transports`` entry point).
 Backends: ``TENSORWIRE_NIXL_BACKENDS`` (default ``UCX``). Host memory is verified here, CUDA memory is not. The
-producer registers each storage once (cached) and hands out a handle: metadata, a row per tensor, a liveness slot;
-the consumer loads metadata only when new, READs the tensors, then the slot's tag: no control call, every wait
+producer registers each storage once (cached) and hands out a handle: partial metadata, a row per tensor, a
+liveness slot. Its agent's metadata is its connection info (the contract's connection step: loaded once per peer);
+a consumer loads partial metadata only when new, READs the tensors, then the slot's tag: no control call, every wait
 bounded. docs/architecture.md ("nixl details") says why each step is as it is."""
 
 from __future__ import annotations
 
 import atexit
+import base64
 import contextlib
 import functools
 import hmac
@@ -34,48 +36,20 @@ from tensorwire.errors import (
     TransportUnavailableError,
 )
 from tensorwire.transport.base import Capabilities, FetchRequest, PeerInfo, StoredObject, Transport
-from tensorwire.transport.config import ucxx_settings_hidden
 from tensorwire.transport.costs import CostEstimate, CostModel, MemoryKind, Placement
+from tensorwire.transport.nixl_engine import API_MODULES, BACKENDS_ENV, new_agent, nixl_api
 
 __all__ = ["BACKENDS_ENV", "CACHE_ENV", "NixlTransport", "new_agent", "nixl_api", "stats"]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS_ENV = "TENSORWIRE_NIXL_BACKENDS"
 CACHE_ENV = "TENSORWIRE_NIXL_CACHE"
-_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 _SLOTS = 4096  # liveness slots per process (objects exported and live at once)
-_VERSION = 1
-_HEADER = struct.Struct("!BHIIIIQQ")  # version, name, conn, partial count, regs, rows, flag address, tag
+_VERSION = 2
+_HEADER = struct.Struct("!BHIIIQQ")  # version, name, partial count, regs, rows, flag address, tag
 _ROW = np.dtype([("addr", ">u8"), ("len", ">u8"), ("dev", ">u4"), ("vram", "u1")])
-_PROGRESS_US = int(os.environ.get("TENSORWIRE_NIXL_PROGRESS_US", "1000"))  # progress thread's pause (NIXL's: 0, a spin)
 _MAC = 16  # bytes of HMAC-SHA256 (key: the object's token) that end a handle
 _POLL_S = (0.2, 2.0)  # seconds between liveness checks of the owner: its pid, a status call
-
-
-def nixl_api() -> Any:
-    """NIXL's Python API module (``nixl._api``, else ``nixl_cu12._api``, else ``nixl_cu13._api``)."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # else NIXL prints INFO lines to stdout
-    for name in _MODULES:
-        with contextlib.suppress(ImportError):
-            return importlib.import_module(name)
-    raise TransportUnavailableError("nixl: NIXL is not installed: pip install 'tensorwire[nixl]' (or nixl-cu12)")
-
-
-def new_agent(name: str, wanted: Sequence[str] = ()) -> Any:
-    """A NIXL agent with ``wanted`` backends (default ``TENSORWIRE_NIXL_BACKENDS``, else ``UCX``) whose progress
-    thread pauses ``TENSORWIRE_NIXL_PROGRESS_US`` between polls (NIXL's default spins a core)."""
-    api = nixl_api()
-    wanted = list(wanted) or [b.strip() for b in os.environ.get(BACKENDS_ENV, "UCX").split(",") if b.strip()] or ["UCX"]
-    sync = getattr(api, "nixl_thread_sync_t", None)  # tensorwire fetches and exports from several threads
-    config = api.nixl_agent_config(backends=wanted, **({"sync_mode": sync.NIXL_THREAD_SYNC_RW} if sync else {}))
-    with _making, ucxx_settings_hidden():  # the API's constructor, patched meanwhile: one agent at a time
-        bind, make = api.nixlBind, api.nixlBind.nixlAgent
-        bind.nixlAgent = lambda agent_name, c: (setattr(c, "pthrDelay", _PROGRESS_US), make(agent_name, c))[1]
-        try:
-            return api.nixl_agent(name, config)
-        finally:
-            bind.nixlAgent = make
 
 
 def _region(tensor: Any) -> tuple[int, int, bool, int]:
@@ -208,19 +182,29 @@ class _Agent:
                 self.partials.popitem(last=False)
             return blobs
 
-    def load_remote(self, handle: _Handle) -> None:
-        """Consumer: the owner's connection (once) and the registrations it names (when new)."""
+    def load_connection(self, name: str, blob: bytes) -> None:
+        """Consumer: the agent ``name``'s metadata, once (still known while READs from it run)."""
         with self.lock:
-            known = self.remote.get(handle.name)
-            if known is not None and set(handle.rids) <= known:
-                return
-            for blob in ([] if known is not None else [handle.conn_md]) + list(handle.partials):
-                name = self.nixl.add_remote_agent(blob)
-                if (name.decode() if isinstance(name, bytes) else name) != handle.name:
-                    raise TransportError(f"nixl: metadata in a handle does not belong to agent {handle.name}")
-            self.stats["metadata_loads"] += known is None
-            self.stats["partial_loads"] += 1
-            self.remote.setdefault(handle.name, set()).update(handle.rids)
+            if name not in self.remote:
+                self._add_remote(name, blob)
+                self.stats["metadata_loads"] += 1
+                self.remote[name] = set()
+
+    def load_remote(self, handle: _Handle) -> None:
+        """Consumer: the registrations a handle names that this process has not loaded yet."""
+        with self.lock:
+            if (known := self.remote.get(handle.name)) is None:
+                raise TransportError(f"nixl: the connection metadata of agent {handle.name} is not loaded")
+            if not set(handle.rids) <= known:
+                for blob in handle.partials:
+                    self._add_remote(handle.name, blob)
+                self.stats["partial_loads"] += 1
+                known.update(handle.rids)
+
+    def _add_remote(self, expected: str, blob: bytes) -> None:
+        name = self.nixl.add_remote_agent(blob)
+        if (name.decode() if isinstance(name, bytes) else name) != expected:
+            raise TransportError(f"nixl: metadata said to be agent {expected}'s belongs to another")
 
     def forget_remote(self, name: str) -> None:
         with self.lock:  # kept READs from it still run (after a disconnect NIXL says ERR, yet they land)
@@ -257,7 +241,7 @@ class _Agent:
             return free.pop() if free else None  # (a list's pop is atomic; the lock orders it with settle)
 
 
-_lock, _making = threading.Lock(), threading.Lock()
+_lock = threading.Lock()
 _process: dict[int, _Agent] = {}
 _names: dict[int, str] = {}
 
@@ -289,7 +273,6 @@ def stats() -> dict[str, int]:
 @dataclass(frozen=True)
 class _Handle:
     name: str
-    conn_md: bytes
     partials: tuple[bytes, ...]
     rids: tuple[int, ...]
     rows: Any  # producer: a _ROW array; decoded: (address, length, device, vram) tuples
@@ -297,9 +280,9 @@ class _Handle:
     tag: int
 
     def encode(self) -> bytes:
-        head = _HEADER.pack(_VERSION, len(self.name), len(self.conn_md), len(self.partials), len(self.rids),
-                            len(self.rows), self.flag_addr, self.tag)  # fmt: skip
-        parts = [head, self.name.encode(), self.conn_md]
+        head = _HEADER.pack(_VERSION, len(self.name), len(self.partials), len(self.rids), len(self.rows),
+                            self.flag_addr, self.tag)  # fmt: skip
+        parts = [head, self.name.encode()]
         parts += [struct.pack("!I", len(b)) + b for b in self.partials]
         return b"".join([*parts, np.asarray(self.rids, dtype=">u8").tobytes(), self.rows.astype(_ROW).tobytes()])
 
@@ -311,11 +294,11 @@ def _opened(signed: bytes, token: bytes) -> _Handle | None:
     if not hmac.compare_digest(hmac.digest(token, data, "sha256")[:_MAC], mac):
         return None
     try:
-        version, n_name, n_conn, n_partial, n_rids, n_rows, flag, tag = _HEADER.unpack_from(data, 0)
+        version, n_name, n_partial, n_rids, n_rows, flag, tag = _HEADER.unpack_from(data, 0)
         if version != _VERSION:
             raise TransportError(f"nixl: handle version {version} (expected {_VERSION})")
-        pos = _HEADER.size + n_name + n_conn
-        name, conn = data[_HEADER.size : pos - n_conn].decode(), bytes(data[pos - n_conn : pos])
+        pos = _HEADER.size + n_name
+        name = data[_HEADER.size : pos].decode()
         partials = []
         for _ in range(n_partial):
             (n,) = struct.unpack_from("!I", data, pos)
@@ -327,7 +310,7 @@ def _opened(signed: bytes, token: bytes) -> _Handle | None:
             raise TransportError("nixl: trailing bytes in handle")
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise TransportError(f"nixl: malformed handle ({e})") from None
-    return _Handle(name, conn, tuple(partials), rids, array.tolist(), flag, tag)
+    return _Handle(name, tuple(partials), rids, array.tolist(), flag, tag)
 
 
 class NixlTransport(Transport):
@@ -346,20 +329,26 @@ class NixlTransport(Transport):
     def __init__(self, context: Any) -> None:
         super().__init__(context)
         self._peers: dict[str, str] = {}  # tensorwire agent id -> its NIXL agent name
+        self._published = False  # this process's agent metadata, in its connection info
 
     def unavailable_reason(self) -> str | None:
-        found = any(importlib.util.find_spec(m.split(".")[0]) for m in _MODULES)
+        found = any(importlib.util.find_spec(m.split(".")[0]) for m in API_MODULES)
         return None if found else "NIXL is not installed: pip install 'tensorwire[nixl]' (or nixl-cu12)"
 
     def connection_info(self) -> str:
-        """Any process: the name its NIXL agent has (or will have, on first use)."""
-        return _agent_name()
+        """Any process: its NIXL agent's name, and the agent's metadata once it is made (on first use)."""
+        agent = _process.get(os.getpid())
+        return _agent_name() if agent is None else f"{agent.name} {base64.b64encode(agent.conn_md).decode()}"
 
     def load_peer(self, peer: PeerInfo, info: str) -> None:
-        """Consumer, once per producer: its NIXL agent's name (metadata comes with handles)."""
-        if not info.startswith("tw-"):
-            raise TransportUnavailableError(f"nixl: agent {peer.agent_id} published {info!r}, not a NIXL agent name")
-        self._peers[peer.agent_id] = info
+        """Consumer, once per producer: load its NIXL agent's metadata (published when that agent was made)."""
+        name, _, encoded = info.partition(" ")
+        if not name.startswith("tw-"):
+            raise TransportUnavailableError(f"nixl: agent {peer.agent_id} published {name!r}, not a NIXL agent name")
+        if not encoded:
+            raise TransportUnavailableError(f"nixl: agent {peer.agent_id} published no NIXL metadata (no agent yet)")
+        _agent().load_connection(name, base64.b64decode(encoded, validate=True))
+        self._peers[peer.agent_id] = name
 
     def forget_peer(self, agent_id: str) -> None:
         name, agent = self._peers.pop(agent_id, None), _process.get(os.getpid())
@@ -372,6 +361,9 @@ class NixlTransport(Transport):
         if not tensors or any(not t.is_contiguous() or t.device.type not in ("cpu", "cuda") for t in tensors):
             return None
         agent = _agent()
+        if not self._published:  # references leaving from now on carry the agent's metadata
+            self._published = True
+            self.context.publish_transport_info(self.name, self.connection_info())
         slot = agent.take(agent.free_table)
         if slot is None:
             logger.info("nixl: %d objects exported and live: this one goes through another transport", _SLOTS)
@@ -389,7 +381,7 @@ class NixlTransport(Transport):
         agent.table_np[slot], obj.transport_state[self.name] = (tag := secrets.randbits(63) | 1), (regs, slot)
         rows = np.array([(t.data_ptr(), t.nbytes, t.device.index or 0, t.device.type == "cuda") for t in tensors], _ROW)
         rids, flag_addr = (*(r.rid for r in regs), agent.table_reg.rid), agent.table.data_ptr() + 8 * slot
-        body = _Handle(agent.name, agent.conn_md, tuple(partials), rids, rows, flag_addr, tag).encode()
+        body = _Handle(agent.name, tuple(partials), rids, rows, flag_addr, tag).encode()
         return body + hmac.digest(obj.token, body, "sha256")[:_MAC]  # opened only with the object's token
 
     def release(self, obj: StoredObject) -> None:

@@ -143,11 +143,13 @@ class PeerClient:
         request = messages["ObjectRequest"](object_id=object_id, token=token)
         self._ask(owner, "Free", request, "StatusReply", timeout_s=timeout_s)
 
-    def export(self, request: FetchRequest, transport: str) -> bytes:
-        """Ask the owner to export the object for ``transport`` for this process now."""
+    def export(self, request: FetchRequest, transport: str) -> tuple[bytes, str]:
+        """Ask the owner to export the object for ``transport`` for this process now: the
+        handle, and the transport's connection info the owner publishes now."""
         message = messages["TransferRequest"](object_id=request.object_id, token=request.token, transport=transport)
         timeout_s = max(0.05, min(request.remaining_s(), self._config().rpc_timeout_s))
-        return self._ask(request.owner, "Export", message, "ExportReply", timeout_s=timeout_s).handle
+        reply = self._ask(request.owner, "Export", message, "ExportReply", timeout_s=timeout_s)
+        return reply.handle, reply.info
 
     def rendezvous(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
         """Set ``key`` of ``group`` in ``peer``'s rendezvous mailbox."""

@@ -116,7 +116,9 @@ class ControlService:
         if not self._store.can_export(request.transport):
             raise InvalidRequestError(f"transport {request.transport!r} cannot export here")
         with statuses():
-            return messages["ExportReply"](handle=self._store.export_for(entry, request.transport))
+            handle = self._store.export_for(entry, request.transport)
+        info = dict(self._peer().transport_info).get(request.transport, "")  # published since the reference left
+        return messages["ExportReply"](handle=handle, info=info)
 
     def handle_transfer(self, request: Any) -> Iterator[bytes]:
         entry = self._lookup(request)

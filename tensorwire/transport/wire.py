@@ -22,7 +22,7 @@ Equivalent ``.proto``::
     message HolderOp { int32 kind = 1; bytes object_id = 2; bytes token = 3; bytes pin_id = 4; }
     message HolderBatch { Peer sender = 1; repeated HolderOp ops = 2; int64 seq = 3; }  // seq: per sender and owner
     message HolderReply { int32 applied = 1; int32 rejected = 2; }
-    message ExportReply { bytes handle = 1; }
+    message ExportReply { bytes handle = 1; string info = 2; }  // info: the transport's connection info now
     message TransferRequest { bytes object_id = 1; bytes token = 2; string transport = 3;
                               bytes params = 4; Peer sender = 5; }
     message ConnectRequest { string transport = 1; Peer sender = 2; bytes payload = 3; }
@@ -87,7 +87,7 @@ _SCHEMA: dict[str, list[tuple[str, str, bool]]] = {
                  ("pin_id", "bytes", False)],
     "HolderBatch": [("sender", "Peer", False), ("ops", "HolderOp", True), ("seq", "int64", False)],
     "HolderReply": [("applied", "int32", False), ("rejected", "int32", False)],
-    "ExportReply": [("handle", "bytes", False)],
+    "ExportReply": [("handle", "bytes", False), ("info", "string", False)],
     "TransferRequest": [("object_id", "bytes", False), ("token", "bytes", False), ("transport", "string", False),
                         ("params", "bytes", False), ("sender", "Peer", False)],
     "ConnectRequest": [("transport", "string", False), ("sender", "Peer", False), ("payload", "bytes", False)],

@@ -32,6 +32,11 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def connection_metadata() -> bytes:
+    """This process's NIXL agent metadata (what its connection info publishes once the agent exists)."""
+    return nixl._agent().conn_md
+
+
 def put_kept(name: str, nbytes: int, seed: int = 0) -> tw.Ref:
     """Put a random ``nbytes`` tensor, kept here under ``name``; returns its reference."""
     value = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))

@@ -125,6 +125,39 @@ def test_metadata_once_per_peer_and_registrations_reused(pair):
     assert _count(c1, "registered") - _count(c0, "registered") == 1 + (not c0) * 2  # + its own tables, first time
 
 
+def test_agent_metadata_travels_in_the_connection_info_not_in_handles():
+    """A fresh producer's first reference was put before its NIXL agent existed: it leaves naming
+    the agent's metadata in the producer's published connection info (not in the handle), and the
+    consumer loads it once for every object after."""
+    import base64
+
+    producer, consumer = Worker(env=NODE_A), Worker(env=NODE_B)
+    try:
+        refs = [producer.call(f"{T}:put_kept", f"early{i}", MIB, i) for i in range(3)]
+        metadata = producer.call(f"{T}:connection_metadata")
+        info = dict(refs[0]._desc.owner.transport_info)["nixl"]
+        assert info.split(" ")[1] == base64.b64encode(metadata).decode()
+        assert metadata not in refs[0]._state.handles["nixl"]
+        digests = [consumer.call("tests.helpers.tasks:get_transport", r, transport="nixl") for r in refs]
+        assert digests == [(producer.call(f"{T}:kept_digest", f"early{i}"), "nixl") for i in range(3)]
+        assert _count(consumer.call(f"{T}:stats"), "metadata_loads") == 1
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_connection_info_without_agent_metadata_is_refused_so_the_fetch_falls_back():
+    from tensorwire.errors import TransportUnavailableError
+    from tensorwire.transport.base import PeerInfo
+    from tensorwire.transport.nixl import NixlTransport
+
+    peer = PeerInfo("a1", "n", "m", "h", 1, 1)
+    with pytest.raises(TransportUnavailableError, match="published no NIXL metadata"):
+        NixlTransport(None).load_peer(peer, "tw-h-1-abcd")
+    with pytest.raises(TransportUnavailableError, match="not a NIXL agent name"):
+        NixlTransport(None).load_peer(peer, "ucx-worker")
+
+
 def test_plain_gets_land_in_pooled_memory_registered_once(pair):
     """Without out=, values land in the consumer's host pool: one registration serves every
     later value of that size (fresh memory each time would be registered each time)."""

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from tensorwire.transport import nixl
+from tensorwire.transport import nixl_engine
 from tensorwire.transport.config import ucxx_settings_hidden
 
 
@@ -52,7 +52,7 @@ def test_a_nixl_agent_is_made_without_them(ucxx_imported, monkeypatch):
         return bind.nixlAgent(name, types.SimpleNamespace(pthrDelay=0))
 
     api = types.SimpleNamespace(nixlBind=bind, nixl_agent_config=Config, nixl_agent=agent)
-    monkeypatch.setattr(nixl, "nixl_api", lambda: api)
-    assert nixl.new_agent("tw-test", ["UCX"]) == "agent"
-    assert seen == {"name": "tw-test", "thresh": None, "pause": nixl._PROGRESS_US}
+    monkeypatch.setattr(nixl_engine, "nixl_api", lambda: api)
+    assert nixl_engine.new_agent("tw-test", ["UCX"]) == "agent"
+    assert seen == {"name": "tw-test", "thresh": None, "pause": nixl_engine._PROGRESS_US}
     assert os.environ["UCX_RNDV_THRESH"] == "8192"
