@@ -55,6 +55,22 @@ def test_message_plan_packs_small_tensors_and_keeps_large_ones_alone():
     assert message_plan([], small_nbytes=1, pack_nbytes=1) == []
 
 
+def test_parallel_copy_cuts_large_copies_over_threads_and_keeps_small_ones_in_one(monkeypatch):
+    """Which threads ran the pieces: ``threads`` of them from the threshold on, the caller alone below."""
+    import threading
+
+    seen: list[tuple[str, int]] = []
+    copy = np.copyto
+    monkeypatch.setattr(packing.np, "copyto", lambda out, src: (seen.append((threading.current_thread().name,
+                                                                               len(src))), copy(out, src)))  # fmt: skip
+    size = packing.PARALLEL_MIN_NBYTES
+    packing.parallel_copy(np.zeros(size, dtype=np.uint8), np.ones(size, dtype=np.uint8), 2)
+    assert len({name for name, _ in seen}) == 2 and sum(n for _, n in seen) == size
+    seen.clear()
+    packing.parallel_copy(np.zeros(size - 1, dtype=np.uint8), np.ones(size - 1, dtype=np.uint8), 2)
+    assert seen == [(threading.current_thread().name, size - 1)]
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_parallel_copy_copies_every_byte_of_an_odd_size(threads):
     size = packing.PARALLEL_MIN_NBYTES + 12_345  # above the threshold, not a multiple of anything
