@@ -203,7 +203,9 @@ class Agent(TransportContext):
     def described_now(self, desc: ObjectDescriptor) -> ObjectDescriptor:
         """Producer: ``desc`` naming this process as it is now, with the connection info its
         transports published since ``put`` (nixl's agent metadata, once its agent is made)."""
-        return desc if desc.owner is self._peer else replace(desc, owner=self._peer)
+        if desc.owner is self._peer or desc.owner.agent_id != self._peer.agent_id:
+            return desc
+        return replace(desc, owner=self._peer)
 
     def free(self, desc: ObjectDescriptor, *, timeout_s: float | None = None) -> None:
         """Free the object now, wherever its owner is. Idempotent; a dead owner is a no-op."""

@@ -19,7 +19,7 @@ every transport          ``fetch`` (consumer), ``release`` (producer, may be a n
                          built on :class:`~tensorwire.transport.two_sided.TwoSidedTransport`
                          implement its connection and post hooks instead
 ``zero_copy_view``       ``view`` (consumer)
-``peer_setup``           ``connection_info`` (any process, once) and ``load_peer``
+``peer_setup``           ``connection_info`` (any process) and ``load_peer``
                          (consumer, once per producer, before its first fetch from it)
 ``carries_value``        ``export`` (producer; the handle holds the bytes themselves)
 =======================  ==========================================================
@@ -460,9 +460,9 @@ class Transport(ABC):
         raise TransportUnavailableError(f"transport {self.name!r} takes no connections")
 
     def connection_info(self) -> str:
-        """Any process, once, after ``unavailable_reason`` said usable: this process's
-        connection info (short text; binary data base64-encoded) that the agent publishes in
-        ``PeerInfo.transport_info``. Only for ``peer_setup``."""
+        """Any process, once usable: its connection info (text of a few hundred characters at
+        most, binary base64-encoded), published in ``PeerInfo.transport_info`` at start; newer
+        info may follow (``publish_transport_info``; see peer_setup.py). Only for ``peer_setup``."""
         raise TransportUnavailableError(f"transport {self.name!r} has no per-peer set-up")
 
     def load_peer(self, peer: PeerInfo, info: str) -> None:

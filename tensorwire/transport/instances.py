@@ -99,8 +99,8 @@ class LoadedTransports:
     def forget_peer(self, agent_id: str) -> None:
         """The agent learned that ``agent_id`` is gone: every transport (and the per-peer
         step's cache) drops what is tied to it."""
-        self.peer_setup.forget(agent_id)
         self.each(f"forget agent {agent_id}", lambda t: t.forget_peer(agent_id))
+        self.peer_setup.forget(agent_id)  # after: a load meanwhile is forgotten too, not kept as loaded
 
     def each(self, what: str, action: Callable[[Transport], None], *, level: int = logging.WARNING) -> None:
         """``action(transport)`` for every instance; a transport that raises is logged

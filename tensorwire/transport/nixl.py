@@ -194,7 +194,7 @@ class _Agent:
         """Consumer: the registrations a handle names that this process has not loaded yet."""
         with self.lock:
             if (known := self.remote.get(handle.name)) is None:
-                raise TransportError(f"nixl: the connection metadata of agent {handle.name} is not loaded")
+                raise TransportError(f"nixl: agent {handle.name}'s metadata is not loaded here (forgotten as gone?)")
             if not set(handle.rids) <= known:
                 for blob in handle.partials:
                     self._add_remote(handle.name, blob)
@@ -203,8 +203,8 @@ class _Agent:
 
     def _add_remote(self, expected: str, blob: bytes) -> None:
         name = self.nixl.add_remote_agent(blob)
-        if (name.decode() if isinstance(name, bytes) else name) != expected:
-            raise TransportError(f"nixl: metadata said to be agent {expected}'s belongs to another")
+        if (name := name.decode() if isinstance(name, bytes) else name) != expected:
+            raise TransportError(f"nixl: metadata said to be agent {expected}'s belongs to agent {name}")
 
     def forget_remote(self, name: str) -> None:
         with self.lock:  # kept READs from it still run (after a disconnect NIXL says ERR, yet they land)
@@ -361,9 +361,9 @@ class NixlTransport(Transport):
         if not tensors or any(not t.is_contiguous() or t.device.type not in ("cpu", "cuda") for t in tensors):
             return None
         agent = _agent()
-        if not self._published:  # references leaving from now on carry the agent's metadata
-            self._published = True
+        if not self._published:  # references leaving from now on carry the agent's metadata (twice: harmless)
             self.context.publish_transport_info(self.name, self.connection_info())
+            self._published = True
         slot = agent.take(agent.free_table)
         if slot is None:
             logger.info("nixl: %d objects exported and live: this one goes through another transport", _SLOTS)

@@ -2,11 +2,13 @@
 
 A one-sided transport that needs state about a producer before it can read from it (NIXL's
 agent metadata, an RDMA key table) declares ``peer_setup``. Every process publishes the
-transport's ``connection_info()`` in its ``PeerInfo.transport_info`` when the transport starts;
-a consumer calls ``load_peer(owner, info)`` once per (transport, producer), on its first fetch
-from that producer, with no control call: the info travels in the producer's ``PeerInfo``,
-which every reference carries. Success is cached until the producer is forgotten; a failure is
-not cached (the next fetch tries again) and the fetch falls back to another transport.
+transport's ``connection_info()`` in its ``PeerInfo.transport_info`` when the transport starts
+(and newer info when the transport publishes it); a consumer calls ``load_peer(owner, info)``
+once per (transport, producer), on its first fetch from that producer, with no control call:
+the info travels in the producer's ``PeerInfo``, which every reference carries as the owner was
+when the reference left (or, for a handle exported on request, in the ``Export`` reply).
+Success is cached until the producer is forgotten; a failure is not cached (the next fetch
+tries again) and the fetch falls back to another transport.
 """
 
 from __future__ import annotations

@@ -126,13 +126,16 @@ def test_metadata_once_per_peer_and_registrations_reused(pair):
 
 
 def test_agent_metadata_travels_in_the_connection_info_not_in_handles():
-    """A fresh producer's first reference was put before its NIXL agent existed: it leaves naming
-    the agent's metadata in the producer's published connection info (not in the handle), and the
-    consumer loads it once for every object after."""
+    """A fresh producer's references were put before its NIXL agent existed: an inline one, forced
+    onto nixl, gets the agent's metadata in the Export reply; the others leave naming it in the
+    producer's published connection info (not in the handle); the consumer loads it once."""
     import base64
 
     producer, consumer = Worker(env=NODE_A), Worker(env=NODE_B)
     try:
+        tiny = producer.call(f"{T}:put_kept", "tiny", 16, 5)  # inline: it left with no nixl handle, no agent yet
+        got = consumer.call("tests.helpers.tasks:get_transport", tiny, transport="nixl")  # Export: handle + info
+        assert got == (producer.call(f"{T}:kept_digest", "tiny"), "nixl")
         refs = [producer.call(f"{T}:put_kept", f"early{i}", MIB, i) for i in range(3)]
         metadata = producer.call(f"{T}:connection_metadata")
         info = dict(refs[0]._desc.owner.transport_info)["nixl"]

@@ -60,9 +60,14 @@ def test_parallel_copy_cuts_large_copies_over_threads_and_keeps_small_ones_in_on
     import threading
 
     seen: list[tuple[str, int]] = []
-    copy = np.copyto
-    monkeypatch.setattr(packing.np, "copyto", lambda out, src: (seen.append((threading.current_thread().name,
-                                                                               len(src))), copy(out, src)))  # fmt: skip
+    copy, caller = np.copyto, threading.current_thread()
+
+    def recorded(out, src):
+        if threading.current_thread() is caller or threading.current_thread().daemon:  # ours: caller and helpers
+            seen.append((threading.current_thread().name, len(src)))
+        copy(out, src)
+
+    monkeypatch.setattr(packing.np, "copyto", recorded)
     size = packing.PARALLEL_MIN_NBYTES
     packing.parallel_copy(np.zeros(size, dtype=np.uint8), np.ones(size, dtype=np.uint8), 2)
     assert len({name for name, _ in seen}) == 2 and sum(n for _, n in seen) == size
