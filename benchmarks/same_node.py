@@ -16,7 +16,7 @@ is checked (untimed): the consumer compares its buffer with the expected bytes, 
 it. Methods are interleaved round by round; the table shows medians and ``ratio`` = NIXL's
 median over tensorwire's (above 1: tensorwire is faster).
 
-The NIXL peer is :mod:`benchmarks.bare_nixl` (two processes of its own, UCX backend; it
+The NIXL peer is :mod:`tensorwire.bench.bare_nixl` (two processes of its own, UCX backend; it
 checks every round's bytes) when ``nixl`` is installed; without it the NIXL column is empty.
 A new-object NIXL round is its register + partial metadata + send + load + READ, from the
 producer's start to the consumer's ``DONE``, *less* the allocation and fill of the new buffer
@@ -87,22 +87,22 @@ def _consumer(conn: Any) -> None:
 
 def nixl_available() -> bool:
     try:
-        importlib.import_module("benchmarks.bare_nixl").nixl_api()
+        importlib.import_module("tensorwire.bench.bare_nixl").nixl_api()
     except ImportError:
         return False
     return True
 
 
 class _Nixl:
-    """The bare NIXL peer: two processes of :mod:`benchmarks.bare_nixl`."""
+    """The bare NIXL peer: two processes of :mod:`tensorwire.bench.bare_nixl`."""
 
-    _MODULE = "benchmarks.bare_nixl"
+    _MODULE = "tensorwire.bench.bare_nixl"
 
     def __init__(self) -> None:
-        from benchmarks.bare_nixl import BareNixl
-        from tests.helpers.procs import Worker
+        from tensorwire.bench.bare_nixl import BareNixl
+        from tensorwire.peers import Peer
 
-        self.producer, self.consumer = Worker(), Worker()
+        self.producer, self.consumer = Peer(), Peer()
         self.bare = BareNixl(self.producer, self.consumer)
         self._fill = 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import multiprocessing as mp
 import os
 import statistics
@@ -17,8 +18,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["OTHER_NODE", "SAME_NODE", "ask", "consumer_device", "digest_of_fetch", "median_fetch_seconds", "peers",
-           "spawn"]  # fmt: skip
+__all__ = ["OTHER_NODE", "SAME_NODE", "Peer", "ask", "consumer_device", "digest_of_fetch", "median_fetch_seconds",
+           "peers", "spawn"]  # fmt: skip
 
 SAME_NODE = "same node"
 OTHER_NODE = "other node"
@@ -107,3 +108,28 @@ def peers(task: Callable[..., Any], node_id: str, suffix: str) -> Iterator[dict[
     """Two peer processes running ``task``, one on this node and one claiming another node."""
     with spawn(task, {SAME_NODE: {}, OTHER_NODE: {"TENSORWIRE_NODE_ID": f"{node_id}/{suffix}"}}) as connections:
         yield connections
+
+
+def call_target(target: str, *args: Any) -> Any:
+    """In a peer: call ``"module:function"`` with ``args``."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(*args)
+
+
+class Peer:
+    """One spawned process that runs ``"module:function"`` calls (the benchmarks' workers);
+    ``env`` is added to its environment."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self._stack = contextlib.ExitStack()
+        self._conn = self._stack.enter_context(spawn(call_target, {"peer": dict(env or {})}))["peer"]
+
+    def call(self, target: str, *args: Any, timeout_s: float = 60.0) -> Any:
+        """Run ``target(*args)`` there; its result. Raises ``RuntimeError`` if it failed or took longer."""
+        status, result = ask(self._conn, (target, *args), timeout_s)
+        if status != "ok":
+            raise RuntimeError(f"peer: {target} failed: {result}")
+        return result
+
+    def close(self) -> None:
+        self._stack.close()

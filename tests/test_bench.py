@@ -143,7 +143,8 @@ def test_bench_smoke_every_scenario_tiny_sizes_checked(tmp_path):
     doc = json.loads(out.read_text())
     assert validate(doc) == []
     rows = doc["rows"]
-    assert {r["scenario"] for r in rows} == set(SCENARIOS)
+    nixl = bool(importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl_cu13"))
+    assert {r["scenario"] for r in rows} == set(SCENARIOS) - (set() if nixl else {"nixl-compare"})
     sharded = {r["method"] for r in rows if r["scenario"] == "sharded-sync"}
     assert sharded == {"tensorwire WeightSync", "gather on trainer 0, push whole", "Ray object store"}
     assert all(r["wrong"] == 0 for r in rows)  # every byte checked, none wrong
@@ -158,9 +159,10 @@ def test_bench_smoke_every_scenario_tiny_sizes_checked(tmp_path):
         "torch.distributed gloo broadcast",
     ):
         assert baseline in methods
-    if importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl_cu13"):
+    if nixl:
         bare = [r for r in rows if r["method"] == "bare NIXL"]
         assert [r["nbytes"] for r in bare] == [4096, 65536] and all(r["baseline"] for r in bare)
+        _check_nixl_compare_rows([r for r in rows if r["scenario"] == "nixl-compare"])
     assert {r["tensors"] for r in rows if r["scenario"] == "many-tensors"} == {1, 16, 256, 1024}
     ours = [r for r in rows if r["method"] == "tensorwire auto (same node)" and r["scenario"] == "p2p-processes"]
     assert [r["nbytes"] for r in ours] == [4096, 65536]
@@ -169,6 +171,24 @@ def test_bench_smoke_every_scenario_tiny_sizes_checked(tmp_path):
                         and b["baseline"] and not b["method"].startswith("memcpy")]  # fmt: skip
         assert len(alternatives) >= 2 and r["vs_best_baseline"] == pytest.approx(min(alternatives) / r["p50_us"])
     assert "p50" in done.stdout.splitlines()[0] and "GB/s" in done.stdout.splitlines()[1]  # header, units
+
+
+def _check_nixl_compare_rows(rows: list[dict]) -> None:
+    """Every case (sizes, and 1,024 tensors of the largest), both modes and placements: tensorwire nixl beside
+    bare NIXL, compared with that row; ucx and host for the same object."""
+    cases = {(r["nbytes"], r["tensors"]) for r in rows}
+    assert cases == {(4096, 1), (65536, 1), (65536, 1024)}
+    for where in ("same node", "other node, UCX tcp"):
+        for mode in ("same object", "new object"):
+            for case in cases:
+                here = {r["method"]: r for r in rows if (r["nbytes"], r["tensors"]) == case
+                        and r["method"].endswith(f", {mode} ({where})")}  # fmt: skip
+                names = {m.split(",")[0] for m in here}
+                assert {"bare NIXL", "tensorwire nixl"} <= names, (case, names)
+                assert mode == "new object" or {"tensorwire ucx", "tensorwire host"} <= names, (case, names)
+                bare, ours = here[f"bare NIXL, {mode} ({where})"], here[f"tensorwire nixl, {mode} ({where})"]
+                assert bare["baseline"] and not ours["baseline"] and ours["iterations"] >= 2
+                assert ours["vs_best_baseline"] == pytest.approx(bare["p50_us"] / ours["p50_us"])
 
 
 def test_bench_usage_errors_exit_2():

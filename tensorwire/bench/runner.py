@@ -9,6 +9,9 @@ Scenarios (``--scenarios``, all by default):
   registered; with nixl installed), and single-thread memcpy (the one-node bound).
 * ``many-tensors``: the largest size as 1, 16, 256 and 1,024 tensors; vs memcpy tensor by tensor.
 * ``concurrent``: ``--peers`` same-node processes fetch the largest value at once; aggregate GB/s.
+* ``nixl-compare``: tensorwire nixl, ucx and host against a bare NIXL program between the same two
+  processes, on one node and across claimed nodes, the same object again and a new object each
+  round, at every size and as 1,024 tensors, interleaved (:mod:`tensorwire.bench.nixl_compare`).
 * ``p2p-actors``: Ray actors: a ``@tw.method`` result passed to another actor, vs Ray's object
   store (default, and with ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``) and Ray's direct transport
   (gloo); the consumer copies the value into its own buffers in every case.
@@ -51,7 +54,7 @@ from tensorwire.progress import ProgressBar
 
 __all__ = ["SCENARIOS", "Options", "format_table", "make_row", "run", "write_outputs"]
 
-SCENARIOS = ("p2p-processes", "many-tensors", "concurrent", "p2p-actors", "one-to-n", "sharded-sync")
+SCENARIOS = ("p2p-processes", "many-tensors", "concurrent", "nixl-compare", "p2p-actors", "one-to-n", "sharded-sync")
 MANY_TENSORS = (1, 16, 256, 1024)
 _PEER_TIMEOUT_S = 600.0
 
@@ -339,7 +342,7 @@ def _compare(rows: list[Row]) -> None:
         for row in group:
             if row.baseline:
                 continue
-            if alternatives:
+            if alternatives and row.vs_best_baseline is None:  # a scenario may have set its own comparison
                 row.vs_best_baseline = min(alternatives) / row.p50_us
             if memcpy:
                 row.vs_memcpy = memcpy[0] / row.p50_us
@@ -365,6 +368,7 @@ def _steps(options: Options) -> int:
     steps = sum(per_size.get(s, 0) for s in options.scenarios) * len(options.sizes)
     steps += 3 * ("p2p-processes" in options.scenarios)  # bare gloo, bare ucxx, bare NIXL
     steps += len(MANY_TENSORS) * ("many-tensors" in options.scenarios) + ("concurrent" in options.scenarios)
+    steps += 2 * ("nixl-compare" in options.scenarios)  # one node, two nodes
     return steps
 
 
@@ -376,6 +380,10 @@ def run(options: Options, progress_enabled: bool = False) -> tuple[list[Row], li
     try:
         if set(options.scenarios) & {"p2p-processes", "many-tensors", "concurrent"}:
             rows += _process_scenarios(options, progress, notes)
+        if "nixl-compare" in options.scenarios:
+            from tensorwire.bench import nixl_compare
+
+            rows += nixl_compare.bench_rows(options, progress, notes)
         if set(options.scenarios) & {"p2p-actors", "one-to-n"}:
             rows += _ray_scenarios(options, progress, notes)
         if "sharded-sync" in options.scenarios:

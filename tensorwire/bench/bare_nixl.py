@@ -1,6 +1,6 @@
 """A bare NIXL program between two processes: the baseline tensorwire is compared against.
 
-No tensorwire here: two spawned processes (:class:`tests.helpers.procs.Worker`) each make one
+No tensorwire here: two spawned processes (:class:`tensorwire.peers.Peer`) each make one
 ``nixl_agent`` (UCX backend) and exchange their agent metadata once through the driver. Then:
 
 * **same object** (:meth:`BareNixl.same_object`): the producer allocates, fills and registers a
@@ -26,10 +26,10 @@ byte raises ``AssertionError``. Every wait is bounded (``timeout_s``).
 
 Function API (the same two processes can run tensorwire rounds in between, interleaved)::
 
-    from benchmarks.bare_nixl import BareNixl, nixl_api
-    from tests.helpers.procs import Worker
+    from tensorwire.bench.bare_nixl import BareNixl, nixl_api
+    from tensorwire.peers import Peer
 
-    producer, consumer = Worker(), Worker()
+    producer, consumer = Peer(), Peer()
     bare = BareNixl(producer, consumer)          # makes one agent in each, loads metadata once
     times = bare.same_object(64 << 20, repeats=10)            # seconds per READ round
     times = bare.same_object(64 << 20, repeats=10, reuse=True)  # one handle, posted again
@@ -42,7 +42,7 @@ Each method returns a list of seconds (``new_object`` returns a dict with ``time
 ``dereg_s``). ``nixl_api()`` imports NIXL's Python API from whichever wheel is installed
 (``nixl._api``, else ``nixl_cu12._api``, else ``nixl_cu13._api``).
 
-Run: ``python -m benchmarks.bare_nixl`` (about a minute here; ``--quick``: 1 MiB only).
+Run: ``python -m tensorwire.bench.bare_nixl`` (about a minute here; ``--quick``: 1 MiB only).
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ from typing import Any
 
 import torch
 
-from tests.helpers.procs import Worker
+from tensorwire.peers import Peer
 
 MIB = 1 << 20
 SIZES = (4096, 1 * MIB, 64 * MIB, 256 * MIB)
 REPEATS = {4096: 200, 1 * MIB: 50, 64 * MIB: 8, 256 * MIB: 4}
-_MODULE = "benchmarks.bare_nixl"
+_MODULE = "tensorwire.bench.bare_nixl"
 _state: dict[str, Any] = {}
 
 
@@ -234,18 +234,18 @@ def read_new(remote_rows: list, metadata: bytes, local_key: str, fill: int, time
 
 
 class BareNixl:
-    """Bare NIXL between ``producer`` and ``consumer`` (two Workers); see the module docstring."""
+    """Bare NIXL between ``producer`` and ``consumer`` (two Peers); see the module docstring."""
 
-    def __init__(self, producer: Worker, consumer: Worker, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, producer: Peer, consumer: Peer, *, timeout_s: float = 120.0) -> None:
         self.producer, self.consumer, self.timeout_s = producer, consumer, timeout_s
         producer_md = producer.call(f"{_MODULE}:start", "producer", timeout_s=timeout_s)
         consumer_md = consumer.call(f"{_MODULE}:start", "consumer", timeout_s=timeout_s)
         consumer.call(f"{_MODULE}:load", producer_md, timeout_s=timeout_s)
         producer.call(f"{_MODULE}:load", consumer_md, timeout_s=timeout_s)  # not needed for READ; symmetric
-        self._keys: list[tuple[Worker, str]] = []
+        self._keys: list[tuple[Peer, str]] = []
         self._round = 0
 
-    def _call(self, worker: Worker, fn: str, *args: Any) -> Any:
+    def _call(self, worker: Peer, fn: str, *args: Any) -> Any:
         return worker.call(f"{_MODULE}:{fn}", *args, timeout_s=self.timeout_s)
 
     def _fill(self) -> int:
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = (1 * MIB,) if args.quick else SIZES
     env = {"OMP_NUM_THREADS": "1"}
-    producer, consumer = Worker(env=env), Worker(env=env)
+    producer, consumer = Peer(env=env), Peer(env=env)
     try:
         bare = BareNixl(producer, consumer)
         print(f"{'case':<40} {'median':>12} {'min':>12}")

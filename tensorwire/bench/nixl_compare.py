@@ -1,0 +1,261 @@
+"""tensorwire ``nixl`` against a bare NIXL program between the same two processes, interleaved.
+
+Two spawned processes (producer, consumer) run, batch by batch in turn, the bare NIXL rounds
+of :mod:`tensorwire.bench.bare_nixl` and tensorwire rounds over ``nixl``, ``ucx`` and ``host``:
+
+* **same object**: tensorwire ``tw.get(ref, out=buffer, transport=...)`` of one object again
+  and again (the reference in hand); bare: ``initialize_xfer`` + ``transfer`` + poll + release
+  of pre-registered buffers (and, as NIXL's best case, one handle posted again).
+* **new object each round**, end to end on the one monotonic clock of both processes: the
+  producer allocates and fills a new tensor and puts it (tensorwire exports when the
+  reference is pickled: registration included), the reference crosses to the consumer through
+  the driver, which fetches into its buffer; bare: allocate, fill, register, partial metadata,
+  the same trip through the driver, load, READ.
+* a 1,024-tensor state dict of 64 MiB, same object and new object.
+
+Values never go inline (``TENSORWIRE_INLINE_NBYTES=0``), so 4 KiB rows measure the
+transports. Every tensorwire round's bytes are checked after the timing (bare rounds check themselves).
+``--other-node`` makes the two processes claim different nodes and use UCX over TCP only
+(``UCX_TLS=tcp,self``; the cross-node fixed cost). Also printed: the producer's first
+registration of a new buffer against a cached one (the cost ``export`` pays once per storage).
+
+Run: ``python -m benchmarks.nixl_compare`` (about two minutes here; ``--quick`` for a check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+import tensorwire as tw
+from tensorwire.bench.bare_nixl import BareNixl, skipped
+from tensorwire.bench.schema import machine
+from tensorwire.peers import Peer
+
+MIB = 1 << 20
+SIZES = (4096, MIB, 64 * MIB, 256 * MIB)
+REPEATS = {4096: 100, MIB: 40, 64 * MIB: 6, 256 * MIB: 3}
+_state: dict[str, Any] = {}
+_M = "tensorwire.bench.nixl_compare"
+
+
+# ---------------------------------------------------------------- in the workers
+
+
+def _value(nbytes: int, tensors: int, fill: int) -> list[torch.Tensor]:
+    sizes = [nbytes // tensors] * tensors
+    sizes[-1] += nbytes - sum(sizes)
+    return [torch.full((n,), fill, dtype=torch.uint8) for n in sizes]
+
+
+def put(nbytes: int, tensors: int, fill: int) -> tw.Ref:
+    """Producer: one object kept here (same-object rounds)."""
+    _state.setdefault("kept", []).append(_value(nbytes, tensors, fill))
+    return tw.put(_state["kept"][-1])
+
+
+def put_new(nbytes: int, tensors: int, fill: int) -> tuple[tw.Ref, float]:
+    """Producer: free the previous new object, allocate + fill + put a new one; its start time."""
+    previous = _state.pop("new", None)
+    if previous is not None:
+        tw.free(previous)
+    start = time.perf_counter()
+    ref = tw.put(_value(nbytes, tensors, fill))
+    _state["new"] = ref
+    return ref, start
+
+
+def _out(ref: tw.Ref, tensors: int) -> list[torch.Tensor]:
+    key = (ref.nbytes, tensors)
+    if key not in _state:
+        _state[key] = _value(ref.nbytes, tensors, 0)
+    return _state[key]
+
+
+def _check(out: list[torch.Tensor], fill: int) -> None:
+    for t in out:
+        if t.numel() and not (int(t.min()) == fill == int(t.max())):
+            raise AssertionError(f"tensorwire delivered wrong bytes (expected all {fill})")
+
+
+def get_rounds(ref: tw.Ref, tensors: int, transport: str, repeats: int, fill: int) -> list[float]:
+    """Consumer: seconds per ``tw.get(ref, out=..., transport=...)``; checked after."""
+    out = _out(ref, tensors)
+    tw.get(ref, out=out, transport=transport)  # connection, pages of the buffer
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tw.get(ref, out=out, transport=transport)
+        times.append(time.perf_counter() - start)
+    _check(out, fill)
+    return times
+
+
+def get_new(ref: tw.Ref, tensors: int, transport: str, fill: int) -> float:
+    """Consumer: fetch a new object into the buffer; the end time."""
+    out = _out(ref, tensors)
+    tw.get(ref, out=out, transport=transport)
+    end = time.perf_counter()
+    _check(out, fill)
+    return end
+
+
+def registration_cost(nbytes: int) -> dict:
+    """Producer: the nixl transport's ``export`` of an object on a new tensor (its first
+    registration) and of a second object on the same tensor (the cached registration)."""
+    from tensorwire.runtime.ray_env import agent as runtime_agent
+
+    agent = runtime_agent()
+    transport = agent.transports()["nixl"]
+    value = torch.full((nbytes,), 1, dtype=torch.uint8)
+    result = {}
+    for label in ("first", "cached"):
+        ref = tw.put(value)
+        stored = agent.local_object(ref.state.desc.object_id, ref.state.desc.token)
+        start = time.perf_counter()
+        handle = transport.export(stored)
+        result[label] = time.perf_counter() - start
+        assert handle
+        transport.release(stored)
+        tw.free(ref)
+    return result
+
+
+# ---------------------------------------------------------------- driver
+
+
+class Compare:
+    def __init__(self, env: dict[str, str], other_node: bool) -> None:
+        nodes = ({"TENSORWIRE_NODE_ID": "compare-a"}, {"TENSORWIRE_NODE_ID": "compare-b"}) if other_node else ({}, {})
+        self.producer, self.consumer = (Peer(env={**env, **n}) for n in nodes)
+        self.bare = BareNixl(self.producer, self.consumer)
+        self.fill = 0
+
+    def _next_fill(self) -> int:
+        self.fill = self.fill % 250 + 1
+        return self.fill
+
+    def same(self, transport: str, nbytes: int, tensors: int, repeats: int) -> list[float]:
+        fill = self._next_fill()
+        ref = self.producer.call(f"{_M}:put", nbytes, tensors, fill, timeout_s=300)
+        return self.consumer.call(f"{_M}:get_rounds", ref, tensors, transport, repeats, fill, timeout_s=300)
+
+    def new(self, transport: str, nbytes: int, tensors: int, repeats: int) -> list[float]:
+        times = []
+        for _ in range(repeats):
+            fill = self._next_fill()
+            ref, start = self.producer.call(f"{_M}:put_new", nbytes, tensors, fill, timeout_s=300)
+            times.append(self.consumer.call(f"{_M}:get_new", ref, tensors, transport, fill, timeout_s=300) - start)
+        return times
+
+    def close(self) -> None:
+        self.producer.close()
+        self.consumer.close()
+
+
+def _ms(times: list[float]) -> float:
+    return statistics.median(times) * 1e3
+
+
+def run(sizes: tuple[int, ...], repeats_of: dict[int, int], rounds: int, other_node: bool, dict_nbytes: int) -> dict:
+    """{case: {method: median ms}}, the methods' batches interleaved ``rounds`` times."""
+    env = {"OMP_NUM_THREADS": "1", "TENSORWIRE_INLINE_NBYTES": "0"}  # 4 KiB over nixl too, not inline
+    c = Compare({**env, **({"UCX_TLS": "tcp,self"} if other_node else {})}, other_node)
+    results: dict[str, dict[str, list[float]]] = {}
+    cases_of: dict[str, tuple[int, int]] = {}  # case -> (bytes, tensors)
+    try:
+        cases = [(f"{n} B", n, 1, repeats_of[n]) for n in sizes]
+        cases.append((f"{dict_nbytes >> 20} MiB as 1,024 tensors", dict_nbytes, 1024, 4))
+        for _ in range(rounds):
+            for label, nbytes, tensors, repeats in cases:
+                same = results.setdefault(f"same object, {label}", {})
+                new = results.setdefault(f"new object, {label}", {})
+                cases_of[f"same object, {label}"] = cases_of[f"new object, {label}"] = (nbytes, tensors)
+                same.setdefault("bare NIXL", []).extend(c.bare.same_object(nbytes, repeats, tensors=tensors))
+                same.setdefault("bare NIXL, handle reused", []).extend(
+                    c.bare.same_object(nbytes, repeats, tensors=tensors, reuse=True)
+                )
+                for transport in ("nixl", "ucx", "host"):
+                    same.setdefault(f"tensorwire {transport}", []).extend(c.same(transport, nbytes, tensors, repeats))
+                new_repeats = max(2, repeats // 4)
+                new.setdefault("bare NIXL", []).extend(c.bare.new_object(nbytes, new_repeats, tensors=tensors)["times"])
+                new.setdefault("tensorwire nixl", []).extend(c.new("nixl", nbytes, tensors, new_repeats))
+        costs = {n: c.producer.call(f"{_M}:registration_cost", n, timeout_s=300) for n in (MIB, 64 * MIB)}
+        bare_costs = {n: c.bare.registration_cost(n) for n in (MIB, 64 * MIB)}
+    finally:
+        c.close()
+    table = {case: {m: _ms(t) for m, t in methods.items()} for case, methods in results.items()}
+    return {"table": table, "times": results, "cases": cases_of, "costs": costs, "bare_costs": bare_costs}
+
+
+def bench_rows(options: Any, progress: Any, notes: list[str]) -> list[Any]:
+    """``tensorwire bench --scenarios nixl-compare``: :func:`run` between two processes on this node, then between
+    two that claim different nodes (UCX over TCP), at the bench's sizes and a 1,024-tensor value of the largest;
+    ``--iterations`` rounds per case in each of two interleaved batches. Every round is checked (a wrong one
+    fails the run). A row per case, method and placement."""
+    from tensorwire.bench.bare_nixl import nixl_api
+    from tensorwire.bench.runner import make_row
+
+    try:
+        nixl_api()
+    except ImportError as e:
+        notes.append(f"nixl-compare: {e}")
+        return []
+    sizes, rows = tuple(options.sizes), []
+    for where, other_node in (("same node", False), ("other node, UCX tcp", True)):
+        out = run(sizes, dict.fromkeys(sizes, max(1, options.iterations)), 2, other_node, sizes[-1])
+        for case, methods in out["times"].items():
+            (nbytes, tensors), mode = out["cases"][case], case.split(",")[0]
+            made = {}
+            for method, times in methods.items():
+                transport = method.split()[1] if method.startswith("tensorwire") else "nixl"
+                made[method] = make_row("nixl-compare", f"{method}, {mode} ({where})", {"times": times, "wrong": 0},
+                                        baseline=method.startswith("bare"), nbytes=nbytes, tensors=tensors,
+                                        transport=transport, reason=_REASONS[mode])  # fmt: skip
+            for row in made.values():  # "vs best alt": against bare NIXL's row of this case (a handle per READ)
+                if not row.baseline:
+                    row.vs_best_baseline = made["bare NIXL"].p50_us / row.p50_us
+            rows += made.values()
+        progress.step(f"nixl-compare ({where})")
+    return rows
+
+
+_REASONS = {
+    "same object": "the reference in hand; bare: a READ of registered buffers",
+    "new object": "end to end: put + the trip + get; bare: register + metadata + the trip + READ",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.nixl_compare")
+    parser.add_argument("--quick", action="store_true", help="4 KiB and 1 MiB, a 4 MiB dict, one round (a check)")
+    parser.add_argument("--other-node", action="store_true", help="claim two nodes, UCX over TCP only")
+    args = parser.parse_args(argv)
+    if skipped():
+        return 0
+    sizes = (4096, MIB) if args.quick else SIZES
+    repeats = {n: 3 for n in sizes} if args.quick else REPEATS
+    out = run(sizes, repeats, 1 if args.quick else 2, args.other_node, 4 * MIB if args.quick else 64 * MIB)
+    facts = machine()
+    print(f"median ms; two processes; {facts['cores']} cores, {facts['cpu']}; "
+          f"{'other node, UCX tcp' if args.other_node else 'same node'}")  # fmt: skip
+    for case, methods in out["table"].items():
+        bare = methods["bare NIXL"]
+        cells = ", ".join(f"{m} {v:.3f}" + (f" ({bare / v:.2f}x bare)" if m.startswith("tensorwire") else "")
+                          for m, v in methods.items())  # fmt: skip
+        print(f"{case}: {cells}")
+    for n, cost in out["costs"].items():
+        bare = out["bare_costs"][n]
+        print(f"nixl export of {n} B: first {cost['first'] * 1e3:.3f} ms, cached {cost['cached'] * 1e3:.3f} ms; "
+              f"bare register {bare['register_s'] * 1e3:.3f} ms, "
+              f"deregister {bare['deregister_s'] * 1e3:.3f} ms")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
