@@ -14,6 +14,7 @@ import importlib
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -62,6 +63,8 @@ def median_fetch_seconds(ref: Any, transport: str, device: Any, repeats: int) ->
 
 def _serve(conn: Any, env: dict[str, str], task: Callable[..., Any]) -> None:
     os.environ.update(env)
+    if "OMP_NUM_THREADS" in env and "torch" in sys.modules:  # imported with the main module: too late for OMP
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     while True:
         message = conn.recv()
         if message is None:
@@ -133,3 +136,9 @@ class Peer:
 
     def close(self) -> None:
         self._stack.close()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

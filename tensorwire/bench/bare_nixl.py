@@ -48,7 +48,6 @@ Run: ``python -m tensorwire.bench.bare_nixl`` (about a minute here; ``--quick``:
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import sys
@@ -67,13 +66,14 @@ _state: dict[str, Any] = {}
 
 
 def nixl_api() -> Any:
-    """NIXL's ``_api`` module from the installed wheel; ``ImportError`` names the install."""
-    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    raise ImportError("NIXL is not installed: pip install nixl (or nixl-cu12)")
+    """NIXL's ``_api`` module from the installed wheel (``nixl_engine.nixl_api``); ``ImportError`` names the install."""
+    from tensorwire.errors import TransportUnavailableError
+    from tensorwire.transport.nixl_engine import nixl_api as engine_api
+
+    try:
+        return engine_api()
+    except TransportUnavailableError as e:
+        raise ImportError(str(e)) from None
 
 
 def skipped() -> bool:

@@ -19,7 +19,7 @@ transports. Every tensorwire round's bytes are checked after the timing (bare ro
 (``UCX_TLS=tcp,self``; the cross-node fixed cost). Also printed: the producer's first
 registration of a new buffer against a cached one (the cost ``export`` pays once per storage).
 
-Run: ``python -m benchmarks.nixl_compare`` (about two minutes here; ``--quick`` for a check).
+Run: ``python -m benchmarks.nixl_compare`` (about 30 s here; ``--quick`` for a check).
 """
 
 from __future__ import annotations
@@ -54,9 +54,12 @@ def _value(nbytes: int, tensors: int, fill: int) -> list[torch.Tensor]:
 
 
 def put(nbytes: int, tensors: int, fill: int) -> tw.Ref:
-    """Producer: one object kept here (same-object rounds)."""
-    _state.setdefault("kept", []).append(_value(nbytes, tensors, fill))
-    return tw.put(_state["kept"][-1])
+    """Producer: one object kept here (same-object rounds) until the next one: the previous is freed."""
+    previous = _state.pop("kept", None)
+    if previous is not None:
+        tw.free(previous)
+    _state["kept"] = tw.put(_value(nbytes, tensors, fill))
+    return _state["kept"]
 
 
 def put_new(nbytes: int, tensors: int, fill: int) -> tuple[tw.Ref, float]:
@@ -133,7 +136,11 @@ class Compare:
     def __init__(self, env: dict[str, str], other_node: bool) -> None:
         nodes = ({"TENSORWIRE_NODE_ID": "compare-a"}, {"TENSORWIRE_NODE_ID": "compare-b"}) if other_node else ({}, {})
         self.producer, self.consumer = (Peer(env={**env, **n}) for n in nodes)
-        self.bare = BareNixl(self.producer, self.consumer)
+        try:
+            self.bare = BareNixl(self.producer, self.consumer)
+        except BaseException:
+            self.close()
+            raise
         self.fill = 0
 
     def _next_fill(self) -> int:
@@ -162,13 +169,23 @@ def _ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
 
-def run(sizes: tuple[int, ...], repeats_of: dict[int, int], rounds: int, other_node: bool, dict_nbytes: int) -> dict:
-    """{case: {method: median ms}}, the methods' batches interleaved ``rounds`` times."""
+def run(  # noqa: PLR0917 - the benchmark's knobs
+    sizes: tuple[int, ...],
+    repeats_of: dict[int, int],
+    rounds: int,
+    other_node: bool,
+    dict_nbytes: int,
+    transports: tuple[str, ...] = ("nixl", "ucx", "host"),
+    costs_too: bool = True,
+) -> dict:
+    """{case: {method: median ms}}, the methods' batches interleaved ``rounds`` times (``transports``: the
+    tensorwire ones, nixl first; ``costs_too``: also time first and cached registrations)."""
     env = {"OMP_NUM_THREADS": "1", "TENSORWIRE_INLINE_NBYTES": "0"}  # 4 KiB over nixl too, not inline
-    c = Compare({**env, **({"UCX_TLS": "tcp,self"} if other_node else {})}, other_node)
     results: dict[str, dict[str, list[float]]] = {}
     cases_of: dict[str, tuple[int, int]] = {}  # case -> (bytes, tensors)
+    costs, bare_costs, c = {}, {}, None
     try:
+        c = Compare({**env, **({"UCX_TLS": "tcp,self"} if other_node else {})}, other_node)
         cases = [(f"{n} B", n, 1, repeats_of[n]) for n in sizes]
         cases.append((f"{dict_nbytes >> 20} MiB as 1,024 tensors", dict_nbytes, 1024, 4))
         for _ in range(rounds):
@@ -180,35 +197,42 @@ def run(sizes: tuple[int, ...], repeats_of: dict[int, int], rounds: int, other_n
                 same.setdefault("bare NIXL, handle reused", []).extend(
                     c.bare.same_object(nbytes, repeats, tensors=tensors, reuse=True)
                 )
-                for transport in ("nixl", "ucx", "host"):
+                for transport in transports:
                     same.setdefault(f"tensorwire {transport}", []).extend(c.same(transport, nbytes, tensors, repeats))
                 new_repeats = max(2, repeats // 4)
                 new.setdefault("bare NIXL", []).extend(c.bare.new_object(nbytes, new_repeats, tensors=tensors)["times"])
                 new.setdefault("tensorwire nixl", []).extend(c.new("nixl", nbytes, tensors, new_repeats))
-        costs = {n: c.producer.call(f"{_M}:registration_cost", n, timeout_s=300) for n in (MIB, 64 * MIB)}
-        bare_costs = {n: c.bare.registration_cost(n) for n in (MIB, 64 * MIB)}
+        if costs_too:
+            costs = {n: c.producer.call(f"{_M}:registration_cost", n, timeout_s=300) for n in (MIB, 64 * MIB)}
+            bare_costs = {n: c.bare.registration_cost(n) for n in (MIB, 64 * MIB)}
     finally:
-        c.close()
+        if c is not None:
+            c.close()
     table = {case: {m: _ms(t) for m, t in methods.items()} for case, methods in results.items()}
     return {"table": table, "times": results, "cases": cases_of, "costs": costs, "bare_costs": bare_costs}
 
 
 def bench_rows(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     """``tensorwire bench --scenarios nixl-compare``: :func:`run` between two processes on this node, then between
-    two that claim different nodes (UCX over TCP), at the bench's sizes and a 1,024-tensor value of the largest;
-    ``--iterations`` rounds per case in each of two interleaved batches. Every round is checked (a wrong one
-    fails the run). A row per case, method and placement."""
-    from tensorwire.bench.bare_nixl import nixl_api
+    two that claim different nodes (UCX over TCP), at the bench's sizes and a 1,024-tensor value of the largest,
+    in two interleaved batches: per batch ``--iters`` same-object rounds per size (4 for 1,024 tensors), a quarter
+    as many new-object rounds (at least 2); each method's first fetch is its warm-up. Every round is checked (a
+    wrong one fails the run). A row per case, method and placement; the transports usable here only."""
     from tensorwire.bench.runner import make_row
+    from tensorwire.runtime.ray_env import agent as runtime_agent
 
-    try:
-        nixl_api()
-    except ImportError as e:
-        notes.append(f"nixl-compare: {e}")
+    usable = runtime_agent().transports()
+    transports = tuple(t for t in ("nixl", "ucx", "host") if t in usable)
+    if "nixl" not in transports or min(options.sizes) < 1024:
+        unusable = runtime_agent().unusable_transports().get("nixl", "not registered")
+        why = f"nixl is not usable here: {unusable}" if "nixl" not in transports else "it needs sizes of 1 KiB or more"
+        notes.append(f"nixl-compare: skipped ({why})")
+        progress.total -= 2
         return []
     sizes, rows = tuple(options.sizes), []
     for where, other_node in (("same node", False), ("other node, UCX tcp", True)):
-        out = run(sizes, dict.fromkeys(sizes, max(1, options.iterations)), 2, other_node, sizes[-1])
+        repeats = dict.fromkeys(sizes, max(1, options.iterations))
+        out = run(sizes, repeats, 2, other_node, sizes[-1], transports=transports, costs_too=False)
         for case, methods in out["times"].items():
             (nbytes, tensors), mode = out["cases"][case], case.split(",")[0]
             made = {}
@@ -217,9 +241,10 @@ def bench_rows(options: Any, progress: Any, notes: list[str]) -> list[Any]:
                 made[method] = make_row("nixl-compare", f"{method}, {mode} ({where})", {"times": times, "wrong": 0},
                                         baseline=method.startswith("bare"), nbytes=nbytes, tensors=tensors,
                                         transport=transport, reason=_REASONS[mode])  # fmt: skip
-            for row in made.values():  # "vs best alt": against bare NIXL's row of this case (a handle per READ)
+            best = min(r.p50_us for r in made.values() if r.baseline)  # this case's bare rows only
+            for row in made.values():
                 if not row.baseline:
-                    row.vs_best_baseline = made["bare NIXL"].p50_us / row.p50_us
+                    row.vs_best_baseline = best / row.p50_us
             rows += made.values()
         progress.step(f"nixl-compare ({where})")
     return rows
