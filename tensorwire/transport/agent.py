@@ -47,6 +47,7 @@ from tensorwire.transport.host_pool import HostPool
 from tensorwire.transport.instances import LoadedTransports
 from tensorwire.transport.metrics import TransferRecord
 from tensorwire.transport.peer_client import PeerClient
+from tensorwire.transport.peer_setup import with_transport_info
 from tensorwire.transport.registry import get_transport_class
 from tensorwire.transport.rendezvous import Mailbox
 from tensorwire.transport.service import ControlService
@@ -172,8 +173,7 @@ class Agent(TransportContext):
 
     def publish_transport_info(self, transport: str, info: str) -> None:
         with self._lock:
-            others = tuple(item for item in self._peer.transport_info if item[0] != transport)
-            self._peer = replace(self._peer, transport_info=(*others, (transport, info)))
+            self._peer = with_transport_info(self._peer, transport, info)
 
     # ------------------------------------------------------------------ producer side
 

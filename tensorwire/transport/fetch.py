@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from tensorwire.transport.base import (
 from tensorwire.transport.instances import LoadedTransports
 from tensorwire.transport.metrics import TransferRecord
 from tensorwire.transport.peer_client import PeerClient
+from tensorwire.transport.peer_setup import with_transport_info
 
 __all__ = ["FetchDispatch", "destinations", "hold_while_alive", "summarize"]
 
@@ -213,9 +213,8 @@ class FetchDispatch:
         if request.handle is None and instance.capabilities.needs_export:
             handle, info = self._client.export(request, name)
             request = _with_handle(request, handle)
-            if info and dict(owner.transport_info).get(name) != info:  # published since the reference left
-                others = tuple(item for item in owner.transport_info if item[0] != name)
-                owner = replace(owner, transport_info=(*others, (name, info)))
+            if info:  # as the owner publishes it now: newer than the reference's if it changed since
+                owner = with_transport_info(owner, name, info)
         if instance.capabilities.peer_setup:
             self._transports.peer_setup.ensure(instance, owner)
         if view and instance.capabilities.zero_copy_view:

@@ -15,13 +15,20 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 from tensorwire.errors import TensorwireError, TransportUnavailableError
 from tensorwire.transport.base import PeerInfo, Transport, TransportContext
 
-__all__ = ["PeerSetup"]
+__all__ = ["PeerSetup", "with_transport_info"]
 
 logger = logging.getLogger(__name__)
+
+
+def with_transport_info(peer: PeerInfo, transport: str, info: str) -> PeerInfo:
+    """``peer`` with ``info`` as ``transport``'s connection info (replacing what it had)."""
+    others = tuple(item for item in peer.transport_info if item[0] != transport)
+    return replace(peer, transport_info=(*others, (transport, info)))
 
 
 class PeerSetup:
