@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from tensorwire import collectives as collective
     from tensorwire.collectives import WeightSync
     from tensorwire.runtime.actor import ActorHandle, get_actor, method, passthrough, remote
-    from tensorwire.runtime.api import free, get, init, put, stats, wait, wait_tensor_freed
+    from tensorwire.runtime.api import free, get, put, stats, wait, wait_tensor_freed
     from tensorwire.runtime.ref import Ref
+    from tensorwire.runtime.start import init
 
 __version__ = "0.1.0"
 
@@ -65,7 +66,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "init": "tensorwire.runtime.api",
+    "init": "tensorwire.runtime.start",
     "wait": "tensorwire.runtime.api",
     "remote": "tensorwire.runtime.actor",
     "get_actor": "tensorwire.runtime.actor",

@@ -5,7 +5,7 @@ For every transport usable here (except ``local``), a peer process fetches a sma
 transports talk to a peer on this node, the others to a peer that claims another node (so
 the cross-node paths are measured). CUDA-only transports use CUDA values when a GPU exists;
 ``nccl`` needs two GPUs. The table is written for this machine (see
-:mod:`tensorwire.transport.calibration`) and every agent started afterwards ranks by it.
+:mod:`tensorwire.transport.hw.calibration`) and every agent started afterwards ranks by it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def calibrate(nbytes: int = 64 << 20, repeats: int = 5, progress: Any = print) -
     import tensorwire as tw
     from tensorwire.runtime.ray_env import agent as runtime_agent
     from tensorwire.transport import registry
-    from tensorwire.transport.base import MemoryKind
+    from tensorwire.transport.contract import MemoryKind
     from tensorwire.transport.selector import CostEstimate
 
     agent = runtime_agent()

@@ -16,7 +16,7 @@ def _node_report() -> dict[str, Any]:
     """This node's topology plus the transports its agent can use (runs on any node)."""
     from tensorwire.runtime.ray_env import agent as runtime_agent
     from tensorwire.transport import registry
-    from tensorwire.transport.topology import describe_node
+    from tensorwire.transport.hw.topology import describe_node
 
     agent = runtime_agent()  # first: under Ray its start-up takes the node id from Ray
     report = describe_node()
@@ -90,8 +90,9 @@ def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
     from tensorwire.peers import digest_of_fetch, peers
     from tensorwire.progress import ProgressBar
     from tensorwire.runtime.ray_env import agent as runtime_agent
-    from tensorwire.transport import cma, registry
-    from tensorwire.transport.topology import describe_node
+    from tensorwire.transport import registry
+    from tensorwire.transport.backends.shm import cma
+    from tensorwire.transport.hw.topology import describe_node
 
     results: list[tuple[str, str, str]] = []
     node = describe_node()
@@ -135,8 +136,8 @@ def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
 def _nixl_report(library: str) -> tuple[str, str, str]:
     """NIXL's wheel, the backends an agent made now has, and the RDMA devices its bundled verbs
     library lists (what its UCX's ib transports would open)."""
-    from tensorwire.transport import nixl_engine
-    from tensorwire.transport.topology import nixl_verbs_devices
+    from tensorwire.transport.backends.nixl import engine as nixl_engine
+    from tensorwire.transport.hw.topology import nixl_verbs_devices
 
     try:
         backends = ", ".join(nixl_engine.new_agent(f"tw-doctor-{os.getpid()}").backends) or "none"
@@ -159,7 +160,7 @@ def _check_transport(
     import tensorwire as tw
     from tensorwire.peers import OTHER_NODE, ask, consumer_device
     from tensorwire.transport import registry
-    from tensorwire.transport.base import MemoryKind
+    from tensorwire.transport.contract import MemoryKind
 
     results: list[tuple[str, str, str]] = []
     digests = {id(v): hashlib.sha256(v.numpy().tobytes()).hexdigest() for v in (large, small)}
@@ -281,7 +282,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         print("tensorwire bench: --max-bytes must be at least 1 MiB and --iters at least 1", file=sys.stderr)
         return 2
     from tensorwire.calibrate import calibrate
-    from tensorwire.transport.calibration import costs_path, save_costs
+    from tensorwire.transport.hw.calibration import costs_path, save_costs
 
     print(f"calibrating with {max_bytes} B values, {iters} repeats (small values: just past the inline limit):")
     costs, notes = calibrate(max_bytes, iters)

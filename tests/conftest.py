@@ -86,7 +86,7 @@ def clean_up_after_the_session():
     """Clean-up only (the checks are per test, in ``no_leaks``): stop this process's agent.
     (Segments are anonymous: the kernel frees those of workers that tests killed on purpose.)"""
     yield
-    from tensorwire.transport.agent import shutdown_agent
+    from tensorwire.transport.agent.core import shutdown_agent
 
     shutdown_agent()
 
@@ -94,7 +94,7 @@ def clean_up_after_the_session():
 @pytest.fixture
 def agent():
     """This process's agent, with its settings restored after the test."""
-    from tensorwire.transport.agent import get_agent
+    from tensorwire.transport.agent.core import get_agent
 
     instance = get_agent()
     config = instance.config

@@ -230,7 +230,7 @@ def test_bench_plot_and_progress(tmp_path):
 
 
 def test_calibrate_writes_the_table_where_output_says(tmp_path):
-    from tensorwire.transport.calibration import load_costs
+    from tensorwire.transport.hw.calibration import load_costs
 
     path = tmp_path / "costs.json"
     done = run_cli("--calibrate", "-e", "1M", "-n", "1", "--output", str(path))

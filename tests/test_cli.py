@@ -161,7 +161,7 @@ def test_doctor_checks_every_transport_with_a_real_transfer(doctor_json):
         assert "plugins" in nixl["detail"] and "UCX" in nixl["detail"] and "backends UCX;" in nixl["detail"]
         if not hardware()["rdma"]:
             assert nixl["status"] == "warn" and "no RDMA device" in nixl["detail"]
-    from tensorwire.transport import cma
+    from tensorwire.transport.backends.shm import cma
 
     direct = next(r for r in results if r["check"] == "shm direct reads")  # detected once, reported
     why_not = cma._probe()  # as a new process finds it (this one may have turned direct reads off)
@@ -214,7 +214,8 @@ def test_topo_address_reports_every_node_of_a_ray_cluster(ray_cluster):
 
 def test_doctor_names_the_rdma_devices_nixls_verbs_library_lists(monkeypatch):
     from tensorwire import cli
-    from tensorwire.transport import nixl_engine, topology
+    from tensorwire.transport.backends.nixl import engine as nixl_engine
+    from tensorwire.transport.hw import topology
 
     monkeypatch.setattr(nixl_engine, "new_agent", lambda name: type("Agent", (), {"backends": ["UCX", "LIBFABRIC"]})())
     monkeypatch.setattr(topology, "nixl_verbs_devices", lambda: ["mlx5_0", "mlx5_1"])

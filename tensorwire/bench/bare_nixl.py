@@ -68,7 +68,7 @@ _state: dict[str, Any] = {}
 def nixl_api() -> Any:
     """NIXL's ``_api`` module from the installed wheel (``nixl_engine.nixl_api``); ``ImportError`` names the install."""
     from tensorwire.errors import TransportUnavailableError
-    from tensorwire.transport.nixl_engine import nixl_api as engine_api
+    from tensorwire.transport.backends.nixl.engine import nixl_api as engine_api
 
     try:
         return engine_api()

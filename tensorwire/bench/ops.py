@@ -242,7 +242,7 @@ def gloo_stop() -> None:
 def nixl_start(role: str) -> None:
     """A NIXL agent of this benchmark's own, besides tensorwire's: UCX backend, its progress
     thread pausing as tensorwire's does (NIXL's default spin would slow both sides here)."""
-    from tensorwire.transport.nixl_engine import new_agent
+    from tensorwire.transport.backends.nixl.engine import new_agent
 
     _state["nixl"] = new_agent(f"bench-{role}-{time.monotonic_ns()}", ["UCX"])
 

@@ -121,7 +121,7 @@ def _transports_to_run(options: Options, notes: list[str]) -> list[tuple[str, bo
     from tensorwire.peers import consumer_device
     from tensorwire.runtime.ray_env import agent as runtime_agent
     from tensorwire.transport import registry
-    from tensorwire.transport.base import MemoryKind
+    from tensorwire.transport.contract import MemoryKind
 
     unusable = runtime_agent().unusable_transports()
     chosen = options.transports if options.transports is not None else registry.registered_transports()
@@ -184,7 +184,7 @@ def _bare_pair(kind: str, conn: Any, sizes: list[int], options: Options, notes: 
 def _bare_nixl(conn: Any, sizes: list[int], options: Options, notes: list[str]) -> dict[int, dict]:
     """Bare NIXL: the peer ``conn`` READs a buffer this process registered, per size."""
     from tensorwire.errors import TransportUnavailableError
-    from tensorwire.transport.nixl_engine import nixl_api
+    from tensorwire.transport.backends.nixl.engine import nixl_api
 
     try:
         nixl_api()
@@ -218,7 +218,7 @@ def _process_scenarios(options: Options, progress: ProgressBar, notes: list[str]
     from tensorwire.peers import spawn
     from tensorwire.runtime.ray_env import agent as runtime_agent
     from tensorwire.transport import registry
-    from tensorwire.transport.base import MemoryKind
+    from tensorwire.transport.contract import MemoryKind
 
     agent = runtime_agent()
     sizes, rows = options.sizes, []

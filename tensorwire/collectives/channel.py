@@ -23,11 +23,12 @@ from typing import NamedTuple
 import torch
 
 from tensorwire.errors import OwnerDiedError, PeerLostError, TransferTimeoutError
-from tensorwire.runtime.api import register_tensors, target_device
+from tensorwire.runtime.api import register_tensors
 from tensorwire.runtime.hooks import actor_hook
+from tensorwire.runtime.placement import target_device
 from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.transport.base import ObjectDescriptor, PeerInfo
-from tensorwire.transport.wire import decode_announcement, encode_announcement, peer_from_bytes, peer_to_bytes
+from tensorwire.transport.agent.wire import decode_announcement, encode_announcement, peer_from_bytes, peer_to_bytes
+from tensorwire.transport.contract import ObjectDescriptor, PeerInfo
 
 __all__ = ["Channel", "Fetched", "Member", "describe_self", "member_from"]
 
@@ -170,12 +171,7 @@ class Channel:
             transport=transport,
             timeout_s=self.timeout_s if timeout_s is None else timeout_s,
         )
-        start = time.perf_counter()
-        for i, (arrived, wanted) in enumerate(zip(tensors, dst, strict=True)):
-            if wanted is not None and arrived is not wanted:
-                wanted.copy_(arrived)  # a transport that could not write there (e.g. host staging)
-                tensors[i] = wanted
-        return Fetched(tensors, record.transport, time.perf_counter() - start)
+        return Fetched(tensors, record.transport, record.placed_s)
 
     def close(self) -> None:
         """Drop messages not taken yet."""

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from tensorwire.collectives.channel import Channel
-from tensorwire.collectives.staging import RingReader, StagingRing
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.transport.backends.shm.staging import RingReader, StagingRing
 from tensorwire.transport.packing import byte_view, packed_layout
 
 __all__ = ["BucketKind", "Fanout", "checksum", "message", "parse_message", "read_slot", "release", "serving"]

@@ -37,9 +37,9 @@ from tensorwire.collectives.channel import Channel, Member, member_from
 from tensorwire.errors import PeerLostError, TensorwireError, TransferTimeoutError
 from tensorwire.runtime.hooks import actor_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.transport.gloo import GlooWorks
-from tensorwire.transport.nccl import NcclWorks
-from tensorwire.transport.pair_groups import ControlStore, abort_group
+from tensorwire.transport.backends.gloo import GlooWorks
+from tensorwire.transport.backends.nccl import NcclWorks
+from tensorwire.transport.process_groups import ControlStore, abort_group
 from tensorwire.transport.shutdown import run_bounded
 
 __all__ = ["BACKENDS", "Backend", "Group", "ReduceOp", "TensorwireGroup", "TorchGroup", "get_group", "group_names",

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tensorwire.transport.meta_wire import dtype_name
+from tensorwire.transport.metadata import dtype_name
 
 if TYPE_CHECKING:
     import torch

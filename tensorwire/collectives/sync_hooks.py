@@ -39,7 +39,7 @@ from tensorwire.collectives.sync_spec import PushSpec, ReceiveResult, Region, Ro
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime.hooks import actor_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.transport.wire import peer_from_bytes
+from tensorwire.transport.agent.wire import peer_from_bytes
 
 __all__ = ["PushSpec", "ReceiveResult", "Region", "Role", "SendResult", "assign_roles", "weight_fence",
            "weight_version"]  # fmt: skip

@@ -51,8 +51,8 @@ from tensorwire.runtime import calls
 from tensorwire.runtime.actor import ActorHandle
 from tensorwire.runtime.hooks import call_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.transport.agent.wire import peer_to_bytes
 from tensorwire.transport.config import validate_timeout
-from tensorwire.transport.wire import peer_to_bytes
 
 __all__ = ["SyncReport", "WeightSync", "bucket_plan", "checksum", "weight_version"]
 

@@ -1,7 +1,9 @@
-"""``init`` / ``put`` / ``get`` / ``wait`` / ``free`` / ``stats``.
+"""The public API on references: ``put`` / ``get`` / ``wait`` / ``free`` / ``stats``.
 
 ``put``, ``get`` and ``free`` work in any process, with or without Ray (standalone mode);
-``init`` starts or joins Ray; ``wait`` and ``await ref`` matter for results of Ray calls.
+``wait`` and ``await ref`` matter for results of Ray calls. ``init`` (Ray start-up) is in
+:mod:`.start`; where fetched tensors land, in :mod:`.placement`; fetching one reference, in
+:mod:`.reading`.
 """
 
 from __future__ import annotations
@@ -9,88 +11,34 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
 from tensorwire.errors import TransferTimeoutError
-from tensorwire.runtime import values
+from tensorwire.runtime import reading, values
 from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.runtime.ray_env import configure_process
 from tensorwire.runtime.ref import Ref, RefState
-from tensorwire.transport import meta_wire, topology
-from tensorwire.transport.base import MemoryKind, ObjectDescriptor, TensorKind, TensorMeta
+from tensorwire.transport import metadata
 from tensorwire.transport.config import validate_timeout
-from tensorwire.transport.host_pool import fill_from_pool
+from tensorwire.transport.contract import MemoryKind, ObjectDescriptor, TensorKind, TensorMeta
+from tensorwire.transport.hw import topology
 from tensorwire.transport.packing import packed_layout
 
-__all__ = ["free", "get", "get_async", "init", "put", "register_tensors", "stats", "target_device", "wait",
-           "wait_tensor_freed"]  # fmt: skip
+__all__ = [
+    "free",
+    "get",
+    "get_arguments",
+    "get_async",
+    "put",
+    "register_tensors",
+    "stats",
+    "wait",
+    "wait_tensor_freed",
+]
 
 logger = logging.getLogger(__name__)
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-_RAY_START_ATTEMPTS = 3
-
-
-def _start_ray(ray: Any, address: str | None, kwargs: dict[str, Any]) -> None:
-    """``ray.init``, tried again when a local instance it starts times out during start-up.
-
-    Ray gives a new local node a fixed 30 s to register with its GCS, and the GCS 30 s to
-    publish its port; on a loaded machine (seen in the suite's load run) either can be missed
-    and ``ray.init`` raises. Joining
-    an existing cluster is not retried."""
-    starts_local = address in (None, "local") and not os.environ.get("RAY_ADDRESS")
-    for attempt in range(1, _RAY_START_ATTEMPTS + 1):
-        try:
-            ray.init(address=address, **kwargs)
-            return
-        except Exception as e:
-            timed_out = "timed out during startup" in str(e) or "gcs_server_port" in str(e)  # raylet / GCS
-            if not starts_local or not timed_out or attempt == _RAY_START_ATTEMPTS:
-                raise
-            logger.warning("Ray's local node timed out during start-up (attempt %d); starting it again", attempt)
-            ray.shutdown()
-
-
-def init(address: str | None = None, **ray_init_kwargs: Any) -> None:
-    """Start a local Ray instance (the embedded default) or join the cluster at ``address``.
-
-    When Ray is already initialized in this process it is used as it is (the keyword
-    arguments are then ignored). Call ``init`` before creating references in the driver:
-    the driver's agent takes its node id, address and cluster token from Ray.
-
-    Args:
-        address: A Ray address (``"auto"``, ``"ray://..."``); None starts a local instance
-            unless ``RAY_ADDRESS`` is set.
-        **ray_init_kwargs: Passed to ``ray.init`` (``num_cpus``, ``include_dashboard``, ...).
-
-    Raises:
-        RuntimeError: This process already owns references made before ``init``.
-    """
-    import ray
-
-    from tensorwire.transport.agent import current_agent, shutdown_agent
-
-    if not ray.is_initialized():
-        _start_ray(ray, address, ray_init_kwargs)
-    existing = current_agent()
-    expected_node_id = os.environ.get("TENSORWIRE_NODE_ID") or ray.get_runtime_context().get_node_id()
-    if existing is not None and existing.peer.node_id != expected_node_id:
-        if existing.owned_objects():
-            raise RuntimeError(
-                "tensorwire.init() must come before the first tensorwire.put() in this process: "
-                f"{existing.owned_objects()} object(s) are already owned by an agent started outside Ray"
-            )
-        shutdown_agent()
-    configure_process()
 
 
 def put(value: Any) -> Ref:
@@ -127,7 +75,7 @@ def register_tensors(tensors: list[torch.Tensor], kinds: list[TensorKind] | None
     metas = tuple(
         TensorMeta(
             shape=tuple(t.shape),
-            dtype=meta_wire.dtype_name(t.dtype),
+            dtype=metadata.dtype_name(t.dtype),
             device=str(t.device),
             nbytes=t.numel() * t.element_size(),
             offset=offset,
@@ -149,167 +97,16 @@ def _ready_events(tensors: list[torch.Tensor]) -> list[Any]:
     return events
 
 
-def target_device(meta: TensorMeta, device: str | torch.device | None) -> torch.device:
-    """Where a fetched tensor lands: ``device`` if given; for a CUDA tensor, the same physical
-    GPU (found by UUID, whatever the index) when this process sees it, else this process's
-    current GPU, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    target = meta_wire.device(meta.device)
-    if target.type == "cuda":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")  # no GPU here: land on the host
-        index = topology.local_cuda_index(meta.device_uuid) if meta.device_uuid else None
-        return torch.device("cuda", index if index is not None else torch.cuda.current_device())
-    if target.type not in ("cpu", "cuda"):
-        return torch.device("cpu")
-    return target
+def _get_one(ref: Any, **options: Any) -> Any:
+    if isinstance(ref, Ref):
+        return reading.get_ref(ref, **options)
+    from tensorwire.runtime.raycompat import Arrived
 
-
-def _check_out(buffer: Any, meta: TensorMeta, index: int) -> torch.Tensor:
-    tensor = torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else buffer
-    if tensor.shape != meta.shape or meta_wire.dtype_name(tensor.dtype) != meta.dtype:
-        raise ValueError(
-            f"out buffer for tensor {index} has shape {tuple(tensor.shape)} and dtype "
-            f"{meta_wire.dtype_name(tensor.dtype)}, the value has shape {meta.shape} and dtype {meta.dtype}"
-        )
-    return tensor
-
-
-def _matched_out(
-    skeleton: Any, out: Any, metas: tuple[TensorMeta, ...]
-) -> tuple[dict[int, Any], dict[int, torch.Tensor]]:
-    """``out``'s buffers by tensor index, as given and as checked torch tensors."""
-    outs = values.match_out(skeleton, out) if out is not None else {}
-    return outs, {i: _check_out(buffer, metas[i], i) for i, buffer in outs.items()}
-
-
-def _targets(metas: tuple[TensorMeta, ...], device: Any) -> list[torch.device]:
-    """``target_device`` of every tensor, worked out once per distinct placement."""
-    known: dict[tuple[str, str], torch.device] = {}
-    result = []
-    for meta in metas:
-        key = (meta.device, meta.device_uuid)
-        if key not in known:
-            known[key] = target_device(meta, device)
-        result.append(known[key])
-    return result
-
-
-def _place(
-    skeleton: Any,
-    tensors: list[torch.Tensor],
-    metas: tuple[TensorMeta, ...],
-    targets: list[torch.device],
-    out: tuple[dict[int, Any], dict[int, torch.Tensor]],
-) -> Any:
-    """The value with fetched ``tensors`` copied into the ``out`` buffers (as given, and as
-    checked tensors: :func:`_matched_out`) or moved to their targets."""
-    outs, checked = out
-    leaves: list[Any] = []
-    for i, (tensor, meta) in enumerate(zip(tensors, metas, strict=True)):
-        if i in outs:
-            buffer = checked[i]
-            if buffer is not tensor:
-                buffer.copy_(tensor)
-            leaves.append(outs[i])
-            continue
-        target = targets[i]
-        placed = tensor if tensor.device == target else tensor.to(target)
-        leaves.append(_as_kind(placed, meta.kind))
-    return values.unflatten(skeleton, leaves)
-
-
-def _as_kind(tensor: torch.Tensor, kind: TensorKind) -> Any:
-    """The array type the producer gave: numpy on the host; cupy on a GPU where cupy is
-    installed; otherwise the torch tensor itself (DLPack producers other than cupy)."""
-    if kind is TensorKind.NUMPY and tensor.device.type == "cpu":
-        return tensor.numpy()
-    if kind is TensorKind.CUPY and tensor.device.type == "cuda":
-        try:
-            import cupy
-        except ImportError:
-            return tensor
-        return cupy.from_dlpack(tensor)
-    return tensor
-
-
-def _get_staged(ref: Ref, device: Any, out: Any, timeout_s: float | None) -> Any:
-    value = ref.pending.get_staged(timeout_s)  # type: ignore[union-attr]
-    if device is None and out is None:
-        return value
-    skeleton, tensors, kinds = values.flatten(value)
-    metas = tuple(
-        TensorMeta(tuple(t.shape), meta_wire.dtype_name(t.dtype), str(t.device), 0, 0, kind)
-        for t, kind in zip(tensors, kinds, strict=True)
-    )
-    return _place(skeleton, tensors, metas, _targets(metas, device), _matched_out(skeleton, out, metas))
-
-
-def _registered_once(state: RefState, transport: str, agent: Any) -> bool:
-    """Pooled memory for a fetch nixl may serve from another node: a pooled buffer is registered once."""
-    nixl = "nixl" in state.handles and transport in ("", "nixl") and state.desc.owner.node_id != agent.peer.node_id
-    return nixl and "nixl" not in agent.unusable_transports()
-
-
-def _get_one(
-    ref: Ref,
-    *,
-    device: str | torch.device | None,
-    out: Any,
-    transport: str,
-    view: bool,
-    timeout_s: float | None,
-    pooled: bool = False,
-) -> Any:
-    if not isinstance(ref, Ref):
-        from tensorwire.runtime.raycompat import Arrived
-
-        if isinstance(ref, Arrived):
-            ref = Ref(ref.state._replace(pin_id=b""))
-            return _get_one(ref, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s,
-                            pooled=pooled)  # fmt: skip
-        if type(ref).__name__ == "ObjectRef" and type(ref).__module__.startswith("ray"):
-            return _get_object_ref(ref, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s)
-        raise TypeError(f"tensorwire.get expects a Ref (or a list of Refs), got {type(ref).__name__}")
-    if ref.is_staged:
-        ref.mark_moved("object_store")
-        return _get_staged(ref, device, out, timeout_s)
-    start = time.monotonic()
-    state = ref.resolve(timeout_s)
-    if timeout_s is not None:
-        timeout_s -= time.monotonic() - start
-        if timeout_s <= 0:
-            raise TransferTimeoutError("tensorwire.get: the deadline passed while waiting for the producing call")
-    agent = runtime_agent()
-    desc = state.desc
-    skeleton = ref.skeleton()
-    outs, out_tensors = _matched_out(skeleton, out, desc.metas)
-    same_process = desc.owner.agent_id == agent.peer.agent_id
-    dst: list[torch.Tensor | None] | None = None
-    if out_tensors or not (view or same_process):
-        buffers = [out_tensors.get(i) for i in range(len(desc.metas))]  # straight into the caller's memory
-        dst = [b if b is not None and (b.is_cpu or b.is_cuda) and b.is_contiguous() else None for b in buffers]
-    targets = _targets(desc.metas, device)
-    pooled = pooled or _registered_once(state, transport or state.transport, agent)
-    lease = fill_from_pool(agent.host_pool, desc.metas, desc.packed_nbytes, dst, targets) if pooled and dst else None
-    failed = True  # a transport that failed may still be writing into the lease: never reuse it then
-    try:
-        tensors, record = agent.fetch(
-            desc,
-            state.handles,
-            dst=dst,
-            targets=targets,
-            transport=transport or state.transport,
-            view=dst is None,
-            timeout_s=timeout_s,
-        )
-        failed = bool(record.failed_attempts)
-    finally:
-        if lease is not None and failed:
-            lease.discard()
-    ref.mark_moved(record.transport)
-    return _place(skeleton, tensors, desc.metas, targets, (outs, out_tensors))
+    if isinstance(ref, Arrived):
+        return reading.get_ref(Ref(ref.state._replace(pin_id=b"")), **options)
+    if type(ref).__name__ == "ObjectRef" and type(ref).__module__.startswith("ray"):
+        return _get_object_ref(ref, **options)
+    raise TypeError(f"tensorwire.get expects a Ref (or a list of Refs), got {type(ref).__name__}")
 
 
 def _as_ref(value: Any) -> Ref:
@@ -385,7 +182,7 @@ def _get_all(refs: list[Any], outs: list[Any], views: list[bool], options: dict[
     jobs = [functools.partial(_get_one, r, out=o, view=v, **options) for r, o, v in zip(refs, outs, views, strict=True)]
     if len(jobs) <= 1:
         return [job() for job in jobs]
-    futures = [_executor().submit(job) for job in jobs]
+    futures = [reading.executor().submit(job) for job in jobs]
     return [f.result() for f in futures]
 
 
@@ -407,9 +204,9 @@ def get_arguments(refs: list[Ref], *, device: str | torch.device | None, transpo
 
 
 async def get_async(ref: Ref | list[Ref], **kwargs: Any) -> Any:
-    """``await``-able :func:`get` (``await ref`` calls it); runs on a thread pool."""
+    """``await``-able :func:`get`; runs on a thread pool."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_executor(), functools.partial(get, ref, **kwargs))
+    return await loop.run_in_executor(reading.executor(), functools.partial(get, ref, **kwargs))
 
 
 def wait(refs: list[Ref], *, num_returns: int = 1, timeout_s: float | None = None) -> tuple[list[Ref], list[Ref]]:
@@ -471,14 +268,6 @@ def wait_tensor_freed(tensor: Any, *, timeout_s: float = 60.0) -> None:
             )
         time.sleep(pause_s)
         pause_s = min(0.05, pause_s * 2)
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tensorwire-get")
-        return _pool
 
 
 def free(ref: Ref) -> None:

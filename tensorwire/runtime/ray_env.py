@@ -22,7 +22,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from tensorwire.transport.agent import add_startup_hook, get_agent
-from tensorwire.transport.metrics import TransferRecord, add_observer
+from tensorwire.transport.agent.metrics import TransferRecord, add_observer
 
 if TYPE_CHECKING:
     from tensorwire.transport.agent import Agent

@@ -15,65 +15,28 @@ A ``Ref`` is in one of three modes:
 
 Lifetime: each live direct ``Ref`` object counts as a hold of its process on the object;
 pickling pins the object until the receiving process has registered (see
-:mod:`tensorwire.transport.agent`).
+:mod:`tensorwire.transport.agent.core`).
 """
 
 from __future__ import annotations
 
 import pickle
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from tensorwire.errors import UnresolvedRefError
+from tensorwire.runtime import reading
 from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.transport import registry
-from tensorwire.transport.base import ObjectDescriptor, TensorMeta
+from tensorwire.runtime.ref_state import RefState, carries_value
+from tensorwire.transport.contract import ObjectDescriptor, TensorMeta
 
 if TYPE_CHECKING:
     import torch
 
-    from tensorwire.runtime.pending import Pending
 
-__all__ = ["Ref", "RefState"]
+__all__ = ["Ref", "RefState"]  # RefState: re-exported from .ref_state
 
 _UNLOADED = object()
-
-
-class RefState(NamedTuple):
-    """Everything a reference carries; what a ``@tw.method`` returns through Ray."""
-
-    desc: ObjectDescriptor
-    skeleton_bytes: bytes
-    handles: dict[str, bytes]
-    pin_id: bytes  # the transit pin this copy travels under (b"" for none)
-    transport: str = ""  # default transport for consumers ("" = automatic)
-
-    def to_bytes(self) -> bytes:
-        """How a ``@tw.method`` returns the state through Ray: plain bytes take Ray's fast
-        path (measured about 0.8 ms less per call than a pickled object here)."""
-        return pickle.dumps(tuple(self), protocol=pickle.HIGHEST_PROTOCOL)
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> RefState:
-        """The state a ``@tw.method`` returned (read from Ray, like any Ray value)."""
-        return cls(*pickle.loads(data))
-
-    @property
-    def travels_inline(self) -> bool:
-        """The bytes travel inside the state (a ``carries_value`` transport's handle, e.g.
-        inline), so no process needs to hold the owner's copy."""
-        return carries_value(self.handles)
-
-
-def carries_value(handles: dict[str, bytes]) -> bool:
-    """Whether one of ``handles`` holds the object's bytes (``Capabilities.carries_value``)."""
-    for name in handles:
-        try:
-            if registry.get_transport_class(name).capabilities.carries_value:
-                return True
-        except (ValueError, TypeError, ImportError):  # not registered or broken here
-            continue
-    return False
 
 
 class Ref:
@@ -83,7 +46,8 @@ class Ref:
     # No __slots__: the references of Ray calls' results are also ``ray.ObjectRef`` instances
     # (runtime/raycompat.py), and a slotted base cannot be joined with Ray's class.
 
-    def __init__(self, state: RefState | None = None, skeleton: Any = _UNLOADED, *, pending: Pending | None = None):
+    def __init__(self, state: RefState | None = None, skeleton: Any = _UNLOADED, *, pending: Any = None):
+        # pending: a runtime.pending.Pending (not imported: pending's module imports this one's users)
         self._state = state
         self._skeleton = skeleton
         self._pending = pending
@@ -110,7 +74,7 @@ class Ref:
         return self._state
 
     @property
-    def pending(self) -> Pending | None:
+    def pending(self) -> Any:  # a runtime.pending.Pending, or None
         """The producing Ray call of a pending or staged reference (None for a direct one)."""
         return self._pending
 
@@ -156,9 +120,7 @@ class Ref:
         return self._state is not None or (self._pending is not None and self._pending.done())
 
     def __await__(self) -> Any:
-        from tensorwire.runtime.api import get_async
-
-        return get_async(self).__await__()
+        return reading.get_async(self).__await__()
 
     # ------------------------------------------------------------------ metadata, no fetch
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tensorwire.errors import LargeReferenceWarning
-from tensorwire.transport.base import TensorKind
+from tensorwire.transport.contract import TensorKind
 
 __all__ = [
     "DESCEND",

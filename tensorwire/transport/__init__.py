@@ -1,6 +1,6 @@
 """The transport layer: how a tensor's bytes get from one process to another (no Ray here)."""
 
-from tensorwire.transport.base import (
+from tensorwire.transport.contract import (
     Capabilities,
     CostEstimate,
     CostModel,

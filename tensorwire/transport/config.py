@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["UCX_ENVIRONMENT_LOCK", "Config", "ucxx_settings_hidden", "validate_timeout"]
+__all__ = ["UCX_ENVIRONMENT_LOCK", "Config", "socket_dir", "ucxx_settings_hidden", "validate_timeout"]
 
 
 def _env_float(name: str, default: float) -> float:
@@ -130,3 +131,23 @@ def ucxx_settings_hidden() -> Iterator[None]:
             yield
         finally:
             os.environ.update(hidden)
+
+
+_made_dirs: set[str] = set()  # socket directories this process made (or found) already
+
+
+def socket_dir() -> str:
+    """A directory private to this user (0700) for the agents' Unix sockets (every object's
+    export asks: made once per process, its owner and mode checked every time)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = os.path.join(base, f"tensorwire-{os.getuid()}")
+    if path not in _made_dirs:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.stat(path)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(
+            f"socket directory {path} must be owned by uid {os.getuid()} with mode 0700 "
+            f"(found uid {info.st_uid}, mode {oct(info.st_mode & 0o777)}); remove it or fix its permissions"
+        )
+    _made_dirs.add(path)
+    return path

@@ -1,7 +1,7 @@
 """Where a transport serves and what it costs there: memory kinds, placements, cost models.
 
 A transport declares its default :class:`CostModel` (``cost_model``); the selector ranks by it
-until ``tensorwire bench --calibrate`` measured this machine. :mod:`tensorwire.transport.base`
+until ``tensorwire bench --calibrate`` measured this machine. :mod:`tensorwire.transport.contract`
 re-exports every name here.
 """
 

@@ -21,15 +21,12 @@ import logging
 import mmap
 import threading
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from tensorwire.transport.base import TensorMeta
-
-__all__ = ["HostPool", "Lease", "fill_from_pool", "liveness"]
+__all__ = ["HostPool", "Lease", "liveness"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,36 +169,3 @@ class HostPool:
             idle = self._idle_nbytes
         return {"idle_nbytes": idle, "idle_buffers": buffers, "reused": self._reused, "made": self._made}
 
-
-def fill_from_pool(
-    pool: HostPool,
-    metas: Sequence[TensorMeta],
-    packed_nbytes: int,
-    dst: list[torch.Tensor | None],
-    targets: Sequence[torch.device],
-) -> Lease | None:
-    """Consumer, before a fetch: fill the empty entries of ``dst`` whose target is the host
-    with tensors on one pooled buffer, in the object's packed layout.
-
-    Args:
-        pool: This process's pool (``Agent.host_pool``).
-        metas, packed_nbytes: The object's tensors and packed size (its descriptor).
-        dst: The fetch's destinations, None where the transport would allocate (changed in place).
-        targets: Where each tensor lands.
-
-    Returns:
-        The lease, or None if nothing was pooled. The caller must :meth:`~Lease.discard` it if
-        the fetch failed or any transport's attempt at it did (a failed attempt may still write).
-    """
-    missing = [i for i, d in enumerate(dst) if d is None and targets[i].type == "cpu" and metas[i].nbytes]
-    if not missing:
-        return None
-    lease = pool.lease(packed_nbytes)
-    if lease is None:
-        return None
-    buffer = torch.from_numpy(lease.array)
-    for i in missing:
-        meta = metas[i]
-        piece = buffer[meta.offset : meta.offset + meta.nbytes]
-        dst[i] = piece.view(getattr(torch, meta.dtype)).view(meta.shape)
-    return lease

@@ -25,7 +25,7 @@ import os
 import threading
 
 from tensorwire.errors import TransportContractError
-from tensorwire.transport.base import REQUIRED_METHODS, Transport
+from tensorwire.transport.contract import REQUIRED_METHODS, Transport
 
 __all__ = [
     "BUILTIN_TRANSPORTS",
@@ -47,14 +47,14 @@ ENTRY_POINT_GROUP = "tensorwire.transports"
 ENV = "TENSORWIRE_TRANSPORTS"
 
 BUILTIN_TRANSPORTS: dict[str, str] = {
-    "local": "tensorwire.transport.local:LocalTransport",
-    "inline": "tensorwire.transport.inline:InlineTransport",
-    "shm": "tensorwire.transport.shm:ShmTransport",
-    "host": "tensorwire.transport.host:HostTransport",
-    "gloo": "tensorwire.transport.gloo:GlooTransport",
-    "ucx": "tensorwire.transport.ucx:UcxTransport",
-    "cuda_ipc": "tensorwire.transport.cuda_ipc:CudaIpcTransport",
-    "nccl": "tensorwire.transport.nccl:NcclTransport",
+    "local": "tensorwire.transport.backends.local:LocalTransport",
+    "inline": "tensorwire.transport.backends.inline:InlineTransport",
+    "shm": "tensorwire.transport.backends.shm:ShmTransport",
+    "host": "tensorwire.transport.backends.host:HostTransport",
+    "gloo": "tensorwire.transport.backends.gloo:GlooTransport",
+    "ucx": "tensorwire.transport.backends.ucx:UcxTransport",
+    "cuda_ipc": "tensorwire.transport.backends.cuda_ipc:CudaIpcTransport",
+    "nccl": "tensorwire.transport.backends.nccl:NcclTransport",
 }
 
 _lock = threading.RLock()
@@ -78,7 +78,7 @@ def _check_name_and_target(name: str, target: object) -> None:
 def check_contract(cls: type[Transport]) -> None:
     """Raise :class:`TransportContractError` if ``cls`` lacks a method its capabilities require.
 
-    The rules are :data:`~tensorwire.transport.base.REQUIRED_METHODS`; abstract methods
+    The rules are :data:`~tensorwire.transport.contract.REQUIRED_METHODS`; abstract methods
     left unimplemented (``fetch``, the two-sided hooks) count too.
     """
     caps = getattr(cls, "capabilities", None)
@@ -94,7 +94,7 @@ def check_contract(cls: type[Transport]) -> None:
         what = "; ".join(f"method {m!r} (required by {c})" for m, c in missing)
         raise TransportContractError(
             f"transport class {cls.__module__}.{cls.__qualname__} (name {getattr(cls, 'name', '?')!r}) "
-            f"does not implement {what}; see the table in tensorwire/transport/base.py"
+            f"does not implement {what}; see the table in tensorwire/transport/contract.py"
         )
 
 

@@ -4,7 +4,7 @@ The function looks only at its arguments (capabilities, peers, what the producer
 the consumer's usable transports); it never probes or imports anything. Candidates that can
 serve are ranked by an estimated time ``fixed cost + bytes / bandwidth``: a calibrated entry
 of this machine (``tensorwire bench --calibrate``) where there is one, else the transport's own
-declared :class:`~tensorwire.transport.base.CostModel` for the placement and memory kinds, else
+declared :class:`~tensorwire.transport.contract.CostModel` for the placement and memory kinds, else
 :data:`UNKNOWN_COST`; the result carries the reason for the choice and for every rejection.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tensorwire.transport.base import Capabilities, CostEstimate, CostModel, MemoryKind, PeerInfo, Placement
+from tensorwire.transport.contract import Capabilities, CostEstimate, CostModel, MemoryKind, PeerInfo, Placement
 
 __all__ = ["LINK_BANDWIDTH_GBPS", "UNKNOWN_COST", "Choice", "CostEstimate", "ObjectSummary", "Selection", "select"]
 

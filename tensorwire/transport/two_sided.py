@@ -49,7 +49,7 @@ from tensorwire.errors import (
     TransportError,
     UnknownConnectionError,
 )
-from tensorwire.transport.base import FetchRequest, PeerInfo, StoredObject, Transport
+from tensorwire.transport.contract import FetchRequest, PeerInfo, StoredObject, Transport
 from tensorwire.transport.packing import byte_view, message_plan
 
 __all__ = ["Connection", "PostedOps", "TwoSidedTransport"]

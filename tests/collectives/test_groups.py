@@ -14,7 +14,7 @@ import torch
 import tensorwire as tw
 from tensorwire.collectives.channel import Member as GroupMember
 from tensorwire.collectives.group import broadcast_parents
-from tensorwire.transport.base import PeerInfo
+from tensorwire.transport.contract import PeerInfo
 from tests.collectives.actors import Member, member_input
 
 WORLD = 3

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.collectives.staging import RingReader, StagingRing
 from tensorwire.errors import TransportError
-from tensorwire.transport import topology
-from tensorwire.transport.base import PeerInfo
+from tensorwire.transport.backends.shm.staging import RingReader, StagingRing
+from tensorwire.transport.contract import PeerInfo
+from tensorwire.transport.hw import topology
 from tests.helpers.observe import memfd_segments, segment_names
 
 

@@ -25,7 +25,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.transport import get_transport_class, registered_transports, unregister_transport
-from tensorwire.transport.base import Capabilities, MemoryKind
+from tensorwire.transport.contract import Capabilities, MemoryKind
 from tests.helpers import file_transport
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest

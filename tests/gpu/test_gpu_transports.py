@@ -165,7 +165,7 @@ def test_cuda_ipc_mappings_hold_the_object_until_released(producer):
     assert int(copy[0]) == 4 and int(view[-1]) == 4
     del ref, copy
     gc.collect()
-    from tensorwire.transport.agent import get_agent
+    from tensorwire.transport.agent.core import get_agent
 
     assert get_agent().flush()  # a (wrong) release of the copy's hold has reached the producer now
     owned, _ = producer.call("tests.helpers.gpu_tasks:owned_and_allocated")

@@ -25,7 +25,7 @@ import torch
 
 from tensorwire.errors import TransportUnavailableError
 from tensorwire.transport import Capabilities, FetchRequest, PeerInfo, StoredObject, Transport
-from tensorwire.transport.base import CostModel
+from tensorwire.transport.contract import CostModel
 from tests.helpers.file_transport import read_object, write_object
 
 NAME = "testep"

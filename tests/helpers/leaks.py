@@ -69,7 +69,7 @@ def descendants() -> frozenset[int]:
 
 def owned_objects() -> int:
     """Objects this process's agent owns (0 when no agent runs; never starts one)."""
-    from tensorwire.transport.agent import current_agent
+    from tensorwire.transport.agent.core import current_agent
 
     instance = current_agent()
     return instance.owned_objects() if instance is not None else 0

@@ -11,7 +11,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.collectives import sync_hooks
-from tensorwire.transport import nixl
+from tensorwire.transport.backends.nixl import transport as nixl
 from tests.helpers.tasks import digest
 
 _kept: dict[str, Any] = {}

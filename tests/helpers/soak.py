@@ -85,7 +85,7 @@ def resources() -> dict[str, int]:
     does not read as a leak), open file descriptors and owned objects of this process."""
     import ctypes
 
-    from tensorwire.transport.agent import get_agent
+    from tensorwire.transport.agent.core import get_agent
 
     agent = get_agent()
     agent.flush()

@@ -55,7 +55,7 @@ def get_error(ref: tw.Ref, **kwargs: Any) -> str:
 
 def usable_transports() -> list[str]:
     """The transports usable in this process."""
-    from tensorwire.transport.agent import get_agent
+    from tensorwire.transport.agent.core import get_agent
 
     return sorted(get_agent().transports())
 
@@ -75,7 +75,7 @@ def hold(ref: tw.Ref, name: str) -> int:
 
 def drop(name: str) -> None:
     _kept.pop(name, None)  # no gc.collect(): references must die by reference counting
-    from tensorwire.transport.agent import get_agent
+    from tensorwire.transport.agent.core import get_agent
 
     get_agent().flush()
 
@@ -108,7 +108,7 @@ def cycle(ref: tw.Ref) -> int:
 
 
 def flush() -> bool:
-    from tensorwire.transport.agent import get_agent
+    from tensorwire.transport.agent.core import get_agent
 
     return get_agent().flush()
 
@@ -178,14 +178,14 @@ def get_concurrently(refs: list[tw.Ref], transport: str) -> list[str]:
 
 
 def two_sided_connections(transport: str) -> int:
-    from tensorwire.transport.agent import get_agent
+    from tensorwire.transport.agent.core import get_agent
 
     return get_agent().transports()[transport].connections()
 
 
 def forget_connections(transport: str) -> int:
     """Drop every connection of ``transport`` in this process (as after a peer loss)."""
-    from tensorwire.transport.agent import get_agent
+    from tensorwire.transport.agent.core import get_agent
 
     instance = get_agent().transports()[transport]
     for agent_id in {c.peer.agent_id for c in (*instance._outgoing.values(), *instance._incoming.values())}:
@@ -194,7 +194,7 @@ def forget_connections(transport: str) -> int:
 
 
 def ucx_active_transports() -> list[str]:
-    from tensorwire.transport.agent import get_agent
+    from tensorwire.transport.agent.core import get_agent
 
     return get_agent().transports()["ucx"].worker().transports
 

@@ -57,7 +57,7 @@ class Producer:
         return all(value[k].data_ptr() == v.data_ptr() for k, v in self.state.items())
 
     def owned(self) -> int:
-        from tensorwire.transport.agent import get_agent
+        from tensorwire.transport.agent.core import get_agent
 
         get_agent().flush()
         return get_agent().owned_objects()
@@ -128,7 +128,7 @@ class Consumer:
 
     def flush(self) -> None:
         """Send queued holder messages (no garbage collection: references must die by refcount)."""
-        from tensorwire.transport.agent import get_agent
+        from tensorwire.transport.agent.core import get_agent
 
         get_agent().flush()
 

@@ -17,7 +17,7 @@ def ray_session() -> Iterator[None]:
     """Around a Ray session in this process: a fresh agent, loopback addresses, and the
     environment and agent restored afterwards (the caller starts and stops Ray inside)."""
     from tensorwire.runtime import ray_env
-    from tensorwire.transport.agent import shutdown_agent
+    from tensorwire.transport.agent.core import shutdown_agent
 
     saved = {k: os.environ.get(k) for k in RAY_ENV}
     os.environ["TENSORWIRE_HOST"] = "127.0.0.1"  # tests talk over loopback only

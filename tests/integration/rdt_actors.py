@@ -88,7 +88,7 @@ class Echo:
         return "freed"
 
     def owned(self) -> int:
-        from tensorwire.transport.agent import get_agent
+        from tensorwire.transport.agent.core import get_agent
 
         get_agent().flush()
         return get_agent().owned_objects()

@@ -18,7 +18,7 @@ import ray
 import torch
 
 import tensorwire as tw
-from tensorwire.transport import cma
+from tensorwire.transport.backends.shm import cma
 from tests.helpers.observe import wait_until
 from tests.integration.actors import Producer
 from tests.integration.rdt_actors import AsyncEcho, Box, Echo

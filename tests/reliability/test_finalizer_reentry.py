@@ -16,7 +16,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.runtime import pending
-from tensorwire.transport.store import ObjectStore
+from tensorwire.transport.agent.store import ObjectStore
 from tests.helpers.observe import wait_until
 from tests.helpers.reentry import collector_reenters
 
@@ -67,7 +67,7 @@ def test_an_object_freed_while_it_is_exported_is_not_left_offered(agent, monkeyp
     """Freeing does not wait for an export in progress (a finalizer inside the export, or
     another thread): a release that came before the export kept its state must not leave
     the object offered to consumers, its live word set, for ever."""
-    from tensorwire.transport.shm import ShmTransport
+    from tensorwire.transport.backends.shm.transport import ShmTransport
 
     ref = tw.put(torch.full((1 << 20,), 5, dtype=torch.uint8))  # above the inline limit
     entry = agent._store.get(ref._desc.object_id)

@@ -17,10 +17,10 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 
 from tensorwire.runtime.values import flatten, unflatten
-from tensorwire.transport.base import TensorKind
-from tensorwire.transport.control import cluster_token
+from tensorwire.transport.agent.control import cluster_token
+from tensorwire.transport.agent.wire import messages
+from tensorwire.transport.contract import TensorKind
 from tensorwire.transport.packing import ByteSink, iter_stream_chunks
-from tensorwire.transport.wire import messages
 from tests.helpers.tasks import digest
 from tests.transport.test_control import METHODS, _code_and_details, _raw_call
 

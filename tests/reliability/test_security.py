@@ -13,7 +13,7 @@ import torch
 import tensorwire as tw
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ref import Ref, RefState
-from tensorwire.transport.control import cluster_token
+from tensorwire.transport.agent.control import cluster_token
 
 
 def test_another_objects_token_is_denied(worker):

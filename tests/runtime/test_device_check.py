@@ -9,7 +9,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.runtime.api import get_async
-from tensorwire.transport import topology
+from tensorwire.transport.hw import topology
 from tests.helpers.tasks import digest
 
 

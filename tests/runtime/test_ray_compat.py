@@ -17,7 +17,7 @@ from tensorwire.runtime import values
 from tensorwire.runtime.handles import check_transport
 from tensorwire.runtime.raycompat import Arrived, Published, raw_states
 from tensorwire.runtime.ref import Ref, RefState
-from tensorwire.transport.agent import get_agent
+from tensorwire.transport.agent.core import get_agent
 
 
 class Pair:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorwire.runtime.api import _start_ray
+from tensorwire.runtime.start import _start_ray
 
 TIMED_OUT = Exception("The current node timed out during startup. This could happen because ...")
 GCS_LATE = RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_ab12")

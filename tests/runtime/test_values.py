@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tensorwire.runtime.values import Slot, dumps_skeleton, flatten, match_out, unflatten
-from tensorwire.transport.base import TensorKind
+from tensorwire.transport.contract import TensorKind
 
 
 @dataclasses.dataclass

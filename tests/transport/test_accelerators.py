@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorwire.transport.accelerators import (
+from tensorwire.transport.hw.accelerators import (
     VENDORS,
     deciding_variable,
     furiosa_partition,

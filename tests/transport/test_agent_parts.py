@@ -19,11 +19,12 @@ from tensorwire.errors import (
     TransportError,
 )
 from tensorwire.runtime.handles import ActorHandle
-from tensorwire.transport import agent as agent_module
-from tensorwire.transport.base import Transport, TransportContext
-from tensorwire.transport.control import status_of
-from tensorwire.transport.rendezvous import MAX_GROUPS, Mailbox
-from tensorwire.transport.service import statuses
+from tensorwire.transport.agent import core as agent_module
+from tensorwire.transport.agent.control import status_of
+from tensorwire.transport.agent.rendezvous import MAX_GROUPS, Mailbox
+from tensorwire.transport.agent.service import statuses
+from tensorwire.transport.agent.services import AgentServices
+from tensorwire.transport.contract import Transport, TransportContext
 
 
 def test_transports_are_the_usable_instances_by_name(agent):
@@ -46,11 +47,16 @@ def test_current_agent_never_starts_one():
     assert agent_module.current_agent() is None
 
 
-def test_the_agent_is_a_complete_transport_context(agent):
-    assert isinstance(agent, TransportContext)
+def test_the_agent_offers_transports_and_callers_each_their_own_interface(agent):
+    assert isinstance(agent, TransportContext) and isinstance(agent, AgentServices)
     assert not TransportContext.__abstractmethods__ - set(dir(agent))
-    for name in ("rendezvous_push_async", "rendezvous_take", "fetch", "free", "export_handles"):
-        assert name in TransportContext.__abstractmethods__, name
+    assert not AgentServices.__abstractmethods__ - set(dir(agent))
+    callers_only = {"rendezvous_push_async", "rendezvous_take", "fetch", "free", "export_handles", "register"}
+    transports_only = {"open_stream", "connect", "request_export", "publish_transport_info", "check_owner"}
+    assert callers_only <= AgentServices.__abstractmethods__
+    assert not callers_only & TransportContext.__abstractmethods__
+    assert transports_only <= TransportContext.__abstractmethods__
+    assert not transports_only & AgentServices.__abstractmethods__
 
 
 def test_rendezvous_with_itself_through_the_context(agent):

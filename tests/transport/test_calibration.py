@@ -10,14 +10,15 @@ import sys
 
 import pytest
 
-from tensorwire.transport import calibration, selector, topology
-from tensorwire.transport.base import DeviceInfo, MemoryKind, PeerInfo
-from tensorwire.transport.cuda_ipc import CudaIpcTransport
-from tensorwire.transport.host import HostTransport
-from tensorwire.transport.nccl import NcclTransport
+from tensorwire.transport import selector
+from tensorwire.transport.agent.wire import decode_peer, encode_peer
+from tensorwire.transport.backends.cuda_ipc import CudaIpcTransport
+from tensorwire.transport.backends.host import HostTransport
+from tensorwire.transport.backends.nccl import NcclTransport
+from tensorwire.transport.backends.shm.transport import ShmTransport
+from tensorwire.transport.contract import DeviceInfo, MemoryKind, PeerInfo
+from tensorwire.transport.hw import calibration, topology
 from tensorwire.transport.selector import CostEstimate, ObjectSummary
-from tensorwire.transport.shm import ShmTransport
-from tensorwire.transport.wire import decode_peer, encode_peer
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 

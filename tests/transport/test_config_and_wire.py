@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from tensorwire.transport.base import DeviceInfo, PeerInfo
+from tensorwire.transport.agent.wire import decode_peer, encode_peer, messages
 from tensorwire.transport.config import Config
-from tensorwire.transport.wire import decode_peer, encode_peer, messages
+from tensorwire.transport.contract import DeviceInfo, PeerInfo
 
 
 def test_config_from_env(monkeypatch):

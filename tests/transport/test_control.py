@@ -9,8 +9,9 @@ import stat
 import grpc
 import pytest
 
-from tensorwire.transport.control import _SERVICE, _TOKEN_METADATA, cluster_token, socket_dir
-from tensorwire.transport.wire import messages
+from tensorwire.transport.agent.control import _SERVICE, _TOKEN_METADATA, cluster_token
+from tensorwire.transport.agent.wire import messages
+from tensorwire.transport.config import socket_dir
 from tests.helpers.observe import wait_until
 
 
@@ -139,7 +140,7 @@ def test_transport_layer_never_unpickles():
 
 def test_call_on_a_channel_closed_by_another_thread_reconnects(agent):
     """``close`` may close a channel another thread is about to use."""
-    from tensorwire.transport.control import ControlClient
+    from tensorwire.transport.agent.control import ControlClient
 
     client = ControlClient(token=cluster_token())
     try:
@@ -157,7 +158,7 @@ def test_call_on_a_channel_closed_by_another_thread_reconnects(agent):
 
 
 def _transfer_error(agent, request) -> grpc.RpcError:
-    from tensorwire.transport.control import ControlClient
+    from tensorwire.transport.agent.control import ControlClient
 
     client = ControlClient(token=cluster_token())
     try:
@@ -177,7 +178,7 @@ def test_handler_errors_cross_the_wire_as_the_same_tensorwire_class(agent):
 
     import tensorwire as tw
     from tensorwire.errors import InvalidRequestError, TransportError, UnknownConnectionError
-    from tensorwire.transport.control import map_rpc_error
+    from tensorwire.transport.agent.control import map_rpc_error
 
     ref = tw.put(torch.arange(100_000))
     desc = ref._desc
@@ -203,7 +204,7 @@ def test_a_late_or_repeated_holder_batch_is_dropped(agent):
     import torch
 
     import tensorwire as tw
-    from tensorwire.transport.wire import HolderOpKind
+    from tensorwire.transport.agent.wire import HolderOpKind
 
     ref = tw.put(torch.arange(1000))
     object_id, token = ref._desc.object_id, ref._desc.token
@@ -238,7 +239,7 @@ def test_a_dropped_channel_leaves_the_calls_still_on_it_running(agent):
     import torch
 
     import tensorwire as tw
-    from tensorwire.transport.control import ControlClient
+    from tensorwire.transport.agent.control import ControlClient
 
     data = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
     ref = tw.put(data)

@@ -14,18 +14,19 @@ import pytest
 import torch
 
 from tensorwire.errors import TransportError
-from tensorwire.transport import selector, topology
-from tensorwire.transport.base import Capabilities, DeviceInfo, MemoryKind, PeerInfo, TensorMeta
-from tensorwire.transport.cuda_ipc import CudaIpcTransport, IpcRecord, decode_records, encode_records
-from tensorwire.transport.fetch import destinations
-from tensorwire.transport.gloo import GlooTransport
-from tensorwire.transport.host import HostTransport
-from tensorwire.transport.inline import InlineTransport
-from tensorwire.transport.local import LocalTransport
-from tensorwire.transport.nccl import NcclTransport
+from tensorwire.transport import selector
+from tensorwire.transport.agent.destinations import prepare
+from tensorwire.transport.backends.cuda_ipc import CudaIpcTransport, IpcRecord, decode_records, encode_records
+from tensorwire.transport.backends.gloo import GlooTransport
+from tensorwire.transport.backends.host import HostTransport
+from tensorwire.transport.backends.inline import InlineTransport
+from tensorwire.transport.backends.local import LocalTransport
+from tensorwire.transport.backends.nccl import NcclTransport
+from tensorwire.transport.backends.shm.transport import ShmTransport
+from tensorwire.transport.backends.ucx import UcxTransport
+from tensorwire.transport.contract import Capabilities, DeviceInfo, MemoryKind, PeerInfo, TensorMeta
+from tensorwire.transport.hw import topology
 from tensorwire.transport.selector import ObjectSummary
-from tensorwire.transport.shm import ShmTransport
-from tensorwire.transport.ucx import UcxTransport
 
 CLASSES = (LocalTransport, InlineTransport, ShmTransport, HostTransport, GlooTransport, UcxTransport)
 CAPS = {t.name: t.capabilities for t in (*CLASSES, CudaIpcTransport, NcclTransport)}
@@ -142,11 +143,12 @@ def test_destinations_follow_what_the_transport_can_write():
     metas = (TensorMeta((4,), "float32", "cuda:0", 16, 0), TensorMeta((2,), "int64", "cuda:0", 16, 64))
     host_only = Capabilities(one_sided=False, same_process=False, same_node=True, cross_node=True)
     given = torch.zeros(4)
-    out = destinations(metas, [given, None], [torch.device("cpu"), torch.device("cpu")], host_only)
+    out, lease = prepare(metas, 128, [given, None], [torch.device("cpu"), torch.device("cpu")], host_only)
+    assert lease is None
     assert out[0] is given and out[1].device.type == "cpu" and out[1].dtype == torch.int64
     # A CUDA target with a host-only transport lands on the host (the caller moves it).
     fake_cuda_target = [torch.device("cuda", 0)] * 2
-    out = destinations(metas, None, fake_cuda_target, host_only)
+    out, _ = prepare(metas, 128, None, fake_cuda_target, host_only)
     assert [t.device.type for t in out] == ["cpu", "cpu"]
 
 
@@ -188,8 +190,8 @@ def test_cuda_ipc_checks_a_cached_objects_owner_at_most_once_a_second(monkeypatc
     """The hot path of a repeated fetch makes no liveness syscall (GPU fixed cost); the owner
     is still asked when an object is first opened and again after LIVENESS_CHECK_S."""
     from tensorwire.errors import OwnerDiedError
-    from tensorwire.transport import cuda_ipc
-    from tensorwire.transport.base import FetchRequest
+    from tensorwire.transport.backends import cuda_ipc
+    from tensorwire.transport.contract import FetchRequest
 
     alive, asked = [True], []
 

@@ -7,9 +7,9 @@ import threading
 from dataclasses import replace
 from types import SimpleNamespace
 
-from tensorwire.transport.base import ObjectDescriptor, PeerInfo
-from tensorwire.transport.holders import Holders
-from tensorwire.transport.wire import HolderOpKind
+from tensorwire.transport.agent.holders import Holders
+from tensorwire.transport.agent.wire import HolderOpKind
+from tensorwire.transport.contract import ObjectDescriptor, PeerInfo
 
 ME = PeerInfo(agent_id="me", node_id="n", machine_id="m", hostname="h", pid=1, start_time=1)
 OWNER = replace(ME, agent_id="owner", pid=2)

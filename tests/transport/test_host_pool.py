@@ -10,7 +10,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.runtime.api import get_arguments
-from tensorwire.transport.agent import get_agent
+from tensorwire.transport.agent.core import get_agent
 from tensorwire.transport.host_pool import HostPool, liveness
 
 MIB = 1 << 20

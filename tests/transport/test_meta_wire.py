@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tensorwire.transport import meta_wire
-from tensorwire.transport.base import MemoryKind, ObjectDescriptor, PeerInfo, TensorKind, TensorMeta
+from tensorwire.transport import metadata
+from tensorwire.transport.contract import MemoryKind, ObjectDescriptor, PeerInfo, TensorKind, TensorMeta
 
 OWNER = PeerInfo(agent_id="owner", node_id="n", machine_id="m", hostname="h", pid=2, start_time=1)
 
@@ -30,30 +30,30 @@ def test_a_descriptor_round_trips_and_a_layout_seen_before_decodes_to_the_same_m
     assert again == desc and again.owner == OWNER and again.nbytes == 3 * 64 + 12
     other_object = pickle.loads(pickle.dumps(_descriptor(tuple(replace(m) for m in metas), b"p" * 16)))
     assert other_object.object_id == b"p" * 16 and other_object.metas is again.metas  # decoded once
-    assert meta_wire.rows(desc.metas) is meta_wire.rows(desc.metas)  # encoded once per tuple
+    assert metadata.rows(desc.metas) is metadata.rows(desc.metas)  # encoded once per tuple
 
 
 def test_facts_name_bytes_memory_and_gpus():
     host = _metas(4)
-    assert meta_wire.facts(host) == (256, frozenset({MemoryKind.HOST}), frozenset(), False)
+    assert metadata.facts(host) == (256, frozenset({MemoryKind.HOST}), frozenset(), False)
     mixed = (*host, TensorMeta((4,), "uint8", "cuda:0", 4, 256, TensorKind.DLPACK, "GPU-a"),
              TensorMeta((4,), "uint8", "cuda:1", 4, 260, TensorKind.TORCH, "GPU-b"))  # fmt: skip
-    facts = meta_wire.facts(mixed)
+    facts = metadata.facts(mixed)
     assert facts.nbytes == 264 and facts.memory == {MemoryKind.HOST, MemoryKind.CUDA}
     assert facts.src_devices == {"GPU-a", "GPU-b"} and facts.foreign_memory
-    assert meta_wire.facts(()) == (0, frozenset({MemoryKind.HOST}), frozenset(), False)
+    assert metadata.facts(()) == (0, frozenset({MemoryKind.HOST}), frozenset(), False)
 
 
 def test_memos_stay_bounded_in_entries_and_in_tensors_and_answer_right_after_being_cleared():
-    layouts = [_metas(2, nbytes=8 * (i + 1)) for i in range(3 * meta_wire.MEMO_SIZE)]
-    layouts += [_metas(meta_wire.MEMO_TENSORS // 3, nbytes=4 * (i + 1)) for i in range(4)]  # large state dicts
+    layouts = [_metas(2, nbytes=8 * (i + 1)) for i in range(3 * metadata.MEMO_SIZE)]
+    layouts += [_metas(metadata.MEMO_TENSORS // 3, nbytes=4 * (i + 1)) for i in range(4)]  # large state dicts
     for metas in layouts:
         decoded = pickle.loads(pickle.dumps(_descriptor(metas)))
-        assert decoded.metas == metas and meta_wire.facts(decoded.metas).nbytes == sum(m.nbytes for m in metas)
-    for memo in (meta_wire._rows_of, meta_wire._metas_of, meta_wire._facts_of):
-        assert 0 < len(memo.entries) <= meta_wire.MEMO_SIZE
+        assert decoded.metas == metas and metadata.facts(decoded.metas).nbytes == sum(m.nbytes for m in metas)
+    for memo in (metadata._rows_of, metadata._metas_of, metadata._facts_of):
+        assert 0 < len(memo.entries) <= metadata.MEMO_SIZE
         assert sum(len(key) if isinstance(key, tuple) else len(value[0]) for key, value in memo.entries.items()) \
-            <= meta_wire.MEMO_TENSORS  # fmt: skip
+            <= metadata.MEMO_TENSORS  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -70,28 +70,28 @@ def test_memos_stay_bounded_in_entries_and_in_tensors_and_answer_right_after_bei
 )
 def test_malformed_rows_in_a_reference_are_a_value_error(rows):
     with pytest.raises(ValueError, match="malformed tensor metadata"):
-        meta_wire.descriptor_from_rows(meta_wire.FORMAT, b"o" * 16, b"t" * 16, OWNER, rows, 16)
+        metadata.descriptor_from_rows(metadata.FORMAT, b"o" * 16, b"t" * 16, OWNER, rows, 16)
 
 
 def test_a_loose_row_never_stands_for_a_good_one():
     good = (((4,), "float32", "cpu", 16, 0, "torch", ""),)
     loose = (((4,), "float32", "cpu", 16.0, 0, "torch", ""),)  # equal, and hashes alike
     with pytest.raises(ValueError):
-        meta_wire.descriptor_from_rows(meta_wire.FORMAT, b"o" * 16, b"t" * 16, OWNER, loose, 16)
-    (meta,) = meta_wire.descriptor_from_rows(meta_wire.FORMAT, b"o" * 16, b"t" * 16, OWNER, good, 16).metas
+        metadata.descriptor_from_rows(metadata.FORMAT, b"o" * 16, b"t" * 16, OWNER, loose, 16)
+    (meta,) = metadata.descriptor_from_rows(metadata.FORMAT, b"o" * 16, b"t" * 16, OWNER, good, 16).metas
     assert type(meta.nbytes) is int and meta.kind is TensorKind.TORCH
 
 
 def test_a_reference_from_another_format_is_refused_by_name():
     reduced = _descriptor(_metas(1)).__reduce__()
-    assert reduced[1][0] == meta_wire.FORMAT
+    assert reduced[1][0] == metadata.FORMAT
     with pytest.raises(ValueError, match="another tensorwire version: its descriptor format is 99"):
         reduced[0](99, *reduced[1][1:])
 
 
 def test_dtype_and_device_names_are_made_once():
-    assert meta_wire.dtype_name(torch.bfloat16) == "bfloat16" and meta_wire.dtype_name(torch.uint8) == "uint8"
-    assert meta_wire.device("cpu") is meta_wire.device("cpu") and meta_wire.device("cuda:3") == torch.device("cuda:3")
+    assert metadata.dtype_name(torch.bfloat16) == "bfloat16" and metadata.dtype_name(torch.uint8) == "uint8"
+    assert metadata.device("cpu") is metadata.device("cpu") and metadata.device("cuda:3") == torch.device("cuda:3")
 
 
 def test_a_fetch_attempt_carries_every_field_of_its_request():
@@ -99,8 +99,8 @@ def test_a_fetch_attempt_carries_every_field_of_its_request():
     later must be carried there too (``dataclasses.replace`` is the reference)."""
     from dataclasses import replace as dataclass_replace
 
-    from tensorwire.transport.base import FetchRequest
-    from tensorwire.transport.fetch import _with_handle
+    from tensorwire.transport.agent.fetch import _with_handle
+    from tensorwire.transport.contract import FetchRequest
 
     request = FetchRequest(b"o" * 16, b"t" * 16, OWNER, _metas(2), 128, None, 123.5)
     assert _with_handle(request, b"handle") == dataclass_replace(request, handle=b"handle")

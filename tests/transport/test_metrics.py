@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import REGISTRY
 
 import tensorwire as tw
-from tensorwire.transport import metrics
+from tensorwire.transport.agent import metrics
 from tests.helpers.tasks import digest
 
 

@@ -151,8 +151,8 @@ def test_agent_metadata_travels_in_the_connection_info_not_in_handles():
 
 def test_connection_info_without_agent_metadata_is_refused_so_the_fetch_falls_back():
     from tensorwire.errors import TransportUnavailableError
-    from tensorwire.transport.base import PeerInfo
-    from tensorwire.transport.nixl import NixlTransport
+    from tensorwire.transport.backends.nixl.transport import NixlTransport
+    from tensorwire.transport.contract import PeerInfo
 
     peer = PeerInfo("a1", "n", "m", "h", 1, 1)
     with pytest.raises(TransportUnavailableError, match="published no NIXL metadata"):
@@ -387,7 +387,7 @@ def test_the_registration_cache_trims_only_past_its_capacity_and_only_unused_ent
     from collections import OrderedDict
     from types import SimpleNamespace
 
-    from tensorwire.transport.nixl import _Agent, _Reg
+    from tensorwire.transport.backends.nixl.transport import _Agent, _Reg
 
     dropped: list[int] = []
     cache = SimpleNamespace(capacity=4, regs=OrderedDict())

@@ -11,9 +11,9 @@ from concurrent.futures import Future
 import grpc
 import pytest
 
-from tensorwire.transport.base import PeerInfo
-from tensorwire.transport.outbox import Outbox
-from tensorwire.transport.wire import HolderOpKind
+from tensorwire.transport.agent.outbox import Outbox
+from tensorwire.transport.agent.wire import HolderOpKind
+from tensorwire.transport.contract import PeerInfo
 
 
 class _Failed(grpc.RpcError):
@@ -137,7 +137,7 @@ def test_an_owner_on_another_machine_is_given_up_after_its_time(caplog):
     owners = _Owners(gone="silent")
     outbox = _outbox(owners, retry_for_s=lambda peer: 0.5)
     try:
-        with caplog.at_level(logging.WARNING, logger="tensorwire.transport.outbox"):
+        with caplog.at_level(logging.WARNING, logger="tensorwire.transport.agent.outbox"):
             _ops(outbox, "gone", range(3))
             assert outbox.flush(timeout_s=60)
         assert owners.calls("gone") >= 2 and owners.applied["gone"] == []
@@ -155,7 +155,7 @@ def test_an_exited_or_refusing_owner_is_not_retried(case, caplog):
     owners = _Owners(owner="refuse" if case == "refused" else "silent")
     outbox = _outbox(owners, alive=lambda peer: case != "exited")
     try:
-        with caplog.at_level(logging.WARNING, logger="tensorwire.transport.outbox"):
+        with caplog.at_level(logging.WARNING, logger="tensorwire.transport.agent.outbox"):
             _ops(outbox, "owner", range(4))
             assert outbox.flush(timeout_s=60)
         tried = owners.tried["owner"]
@@ -177,7 +177,7 @@ def test_a_failing_step_gives_up_that_batch_and_the_sender_lives_on(caplog):
 
     outbox = _outbox(owners, sender=sender)
     try:
-        with caplog.at_level(logging.WARNING, logger="tensorwire.transport.outbox"):
+        with caplog.at_level(logging.WARNING, logger="tensorwire.transport.agent.outbox"):
             _ops(outbox, "owner", range(3))
             assert outbox.flush(timeout_s=60)
         assert "holder messages to agent owner failed; giving them up" in caplog.text
@@ -207,13 +207,13 @@ def test_close_stops_the_sender_gives_up_what_is_left_and_sends_nothing_after():
 def test_an_owner_whose_socket_refuses_connections_is_given_up_though_its_pid_lives(monkeypatch, caplog):
     """A SIGKILLed agent leaves its socket file and, until reaped, its pid: retrying it for ever
     made every flush wait its whole timeout (a Ray actor's ``wait_tensor_freed`` stalled)."""
-    import tensorwire.transport.outbox as outbox_module
+    import tensorwire.transport.agent.outbox as outbox_module
 
     monkeypatch.setattr(outbox_module, "_REFUSED_S", 0.5)
     owners = _Owners(dead="closed")
     outbox = _outbox(owners, retry_for_s=lambda peer: float("inf"))
     try:
-        with caplog.at_level(logging.WARNING, logger="tensorwire.transport.outbox"):
+        with caplog.at_level(logging.WARNING, logger="tensorwire.transport.agent.outbox"):
             _ops(outbox, "dead", range(3))
             assert outbox.flush(timeout_s=60)
         assert owners.calls("dead") >= 2 and _given_up(caplog, "dead") == 3

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from tensorwire.errors import TransportUnavailableError
-from tensorwire.transport.base import Capabilities, PeerInfo, Transport
-from tensorwire.transport.peer_setup import PeerSetup, with_transport_info
+from tensorwire.transport.agent.peer_setup import PeerSetup
+from tensorwire.transport.contract import Capabilities, PeerInfo, Transport
 
 ME = PeerInfo(agent_id="me", node_id="n", machine_id="m", hostname="h", pid=1, start_time=1)
 OWNER = replace(ME, agent_id="owner", pid=2, transport_info=(("fake", "owner-info"),))
@@ -104,7 +104,7 @@ def test_failures_are_clear_and_not_cached():
 
 def test_with_transport_info_replaces_only_that_transports_info():
     peer = replace(ME, transport_info=(("ucx", "cma,tcp"), ("nixl", "tw-h-1-ab")))
-    newer = with_transport_info(peer, "nixl", "tw-h-1-ab bWV0YQ==")
+    newer = peer.with_transport_info("nixl", "tw-h-1-ab bWV0YQ==")
     assert dict(newer.transport_info) == {"ucx": "cma,tcp", "nixl": "tw-h-1-ab bWV0YQ=="}
     assert dict(peer.transport_info)["nixl"] == "tw-h-1-ab"  # the original is left as it was
-    assert dict(with_transport_info(ME, "nixl", "x").transport_info) == {"nixl": "x"}
+    assert dict(ME.with_transport_info("nixl", "x").transport_info) == {"nixl": "x"}

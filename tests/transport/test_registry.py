@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tensorwire.transport import registry
-from tensorwire.transport.base import Capabilities, Transport
+from tensorwire.transport.contract import Capabilities, Transport
 
 
 class Dummy(Transport):

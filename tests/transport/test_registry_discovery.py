@@ -13,7 +13,7 @@ import pytest
 
 from tensorwire.errors import TransportContractError
 from tensorwire.transport import registry
-from tensorwire.transport.base import (
+from tensorwire.transport.contract import (
     Capabilities,
     CostEstimate,
     CostModel,

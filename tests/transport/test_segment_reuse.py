@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from tensorwire.transport import segment_reuse, shm
-from tensorwire.transport.base import StoredObject, TensorMeta
+from tensorwire.transport.backends.shm import segment_reuse
+from tensorwire.transport.backends.shm import transport as shm
+from tensorwire.transport.backends.shm.segment_reuse import ReuseMode, SegmentCache
+from tensorwire.transport.contract import StoredObject, TensorMeta
 from tensorwire.transport.packing import packed_layout
-from tensorwire.transport.segment_reuse import ReuseMode, SegmentCache
 
 
 def _object(*tensors: torch.Tensor) -> StoredObject:

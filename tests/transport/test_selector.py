@@ -8,14 +8,14 @@ from dataclasses import replace
 import pytest
 
 from tensorwire.transport import selector
-from tensorwire.transport.base import Capabilities, MemoryKind, PeerInfo
-from tensorwire.transport.gloo import GlooTransport
-from tensorwire.transport.host import HostTransport
-from tensorwire.transport.inline import InlineTransport
-from tensorwire.transport.local import LocalTransport
+from tensorwire.transport.backends.gloo import GlooTransport
+from tensorwire.transport.backends.host import HostTransport
+from tensorwire.transport.backends.inline import InlineTransport
+from tensorwire.transport.backends.local import LocalTransport
+from tensorwire.transport.backends.shm.transport import ShmTransport
+from tensorwire.transport.backends.ucx import UcxTransport
+from tensorwire.transport.contract import Capabilities, MemoryKind, PeerInfo
 from tensorwire.transport.selector import ObjectSummary
-from tensorwire.transport.shm import ShmTransport
-from tensorwire.transport.ucx import UcxTransport
 
 CLASSES = (LocalTransport, InlineTransport, ShmTransport, HostTransport, UcxTransport, GlooTransport)
 CAPS = {t.name: t.capabilities for t in CLASSES[:4]}

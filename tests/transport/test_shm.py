@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.transport import cma, memfd, shm
+from tensorwire.transport.backends.shm import cma, memfd
+from tensorwire.transport.backends.shm import transport as shm
 from tests.helpers.observe import memfd_segments, segment_names, wait_until
 from tests.helpers.procs import Worker
 from tests.helpers.reentry import collector_reenters
@@ -358,7 +359,7 @@ def test_forget_object_entered_again_by_a_finalizer_on_its_thread_finishes_and_c
     """A reference's finalizer calls ``forget_object``, and the garbage collector can run it on
     a thread already inside ``forget_object`` (an allocation there starts a collection). That
     must neither block (a consumer hung so under load) nor leave a descriptor open."""
-    from tensorwire.transport.shm import ShmTransport
+    from tensorwire.transport.backends.shm.transport import ShmTransport
 
     transport = ShmTransport(None)
     pipes = [os.pipe() for _ in range(3)]

@@ -112,7 +112,7 @@ def test_producer_killed_mid_transfer(variant):
 def test_consumer_killed_mid_transfer(transport, owner):
     """The consumer is frozen, then killed, while bytes provably arrive; this producer drops the
     connection (nothing left posted for the dead peer) and still serves other consumers."""
-    from tensorwire.transport.agent import get_agent
+    from tensorwire.transport.agent.core import get_agent
 
     warm = torch.arange(1 << 18, dtype=torch.int32)
     assert owner.call("tests.helpers.tasks:get_digest", tw.put(warm), transport=transport) == digest(warm)
@@ -198,7 +198,7 @@ def test_ucx_over_tcp_and_shared_memory(tls):
 
 
 def test_system_ucx_is_preferred_only_with_rdma_nics_and_a_system_library():
-    from tensorwire.transport.ucx import prefer_system_ucx
+    from tensorwire.transport.backends.ucx import prefer_system_ucx
 
     env: dict[str, str] = {}
     assert not prefer_system_ucx(env, rdma_nics=[], system_ucp="libucp.so.0")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tensorwire.errors import ObjectFreedError, OwnerDiedError, TransferTimeoutError, TransportError
-from tensorwire.transport.base import FetchRequest, PeerInfo, TensorMeta
+from tensorwire.transport.contract import FetchRequest, PeerInfo, TensorMeta
 from tensorwire.transport.two_sided import _POSTED, PostedOps, TwoSidedTransport
 
 ME = PeerInfo(agent_id="me", node_id="n", machine_id="m", hostname="h", pid=1, start_time=1)

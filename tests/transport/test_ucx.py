@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from tensorwire.transport.ucx import ucx_config
+from tensorwire.transport.backends.ucx import ucx_config
 from tests.helpers.procs import Worker
 
 pytestmark = pytest.mark.skipif(

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from tensorwire.transport import nixl_engine
+from tensorwire.transport.backends.nixl import engine as nixl_engine
 from tensorwire.transport.config import ucxx_settings_hidden
 
 

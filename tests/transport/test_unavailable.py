@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.transport.base import FetchRequest
+from tensorwire.transport.contract import FetchRequest
 
 
 def _request(ref: tw.Ref, handle: bytes | None) -> FetchRequest:

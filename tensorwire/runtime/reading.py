@@ -1,0 +1,96 @@
+"""Fetching the value behind one reference: resolve it, fetch its tensors through the
+agent, make the value. :func:`tensorwire.get` and ``await ref`` come here; the reference is
+used only through its own methods, so this module does not import :mod:`.ref`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from tensorwire.errors import TransferTimeoutError
+from tensorwire.runtime import placement, values
+from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.transport import metadata
+from tensorwire.transport.agent import destinations
+from tensorwire.transport.contract import TensorMeta
+
+__all__ = ["executor", "get_async", "get_ref"]
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _get_staged(ref: Any, device: Any, out: Any, timeout_s: float | None) -> Any:
+    value = ref.pending.get_staged(timeout_s)
+    if device is None and out is None:
+        return value
+    skeleton, tensors, kinds = values.flatten(value)
+    metas = tuple(
+        TensorMeta(tuple(t.shape), metadata.dtype_name(t.dtype), str(t.device), 0, 0, kind)
+        for t, kind in zip(tensors, kinds, strict=True)
+    )
+    outs, checked = placement.matched_out(skeleton, out, metas)
+    dst = [checked.get(i) for i in range(len(metas))]
+    tensors = destinations.finish(tensors, dst, placement.targets(metas, device))
+    return placement.place(skeleton, tensors, metas, outs)
+
+
+def get_ref(
+    ref: Any,
+    *,
+    device: str | torch.device | None = None,
+    out: Any = None,
+    transport: str = "",
+    view: bool = False,
+    timeout_s: float | None = None,
+    pooled: bool = False,
+) -> Any:
+    """The value ``ref`` (a :class:`~.ref.Ref`) points to, fetched (``tensorwire.get``
+    documents the options; ``pooled``: host tensors land in pooled memory)."""
+    if ref.is_staged:
+        ref.mark_moved("object_store")
+        return _get_staged(ref, device, out, timeout_s)
+    start = time.monotonic()
+    state = ref.resolve(timeout_s)
+    if timeout_s is not None:
+        timeout_s -= time.monotonic() - start
+        if timeout_s <= 0:
+            raise TransferTimeoutError("tensorwire.get: the deadline passed while waiting for the producing call")
+    agent = runtime_agent()
+    desc = state.desc
+    skeleton = ref.skeleton()
+    outs, checked = placement.matched_out(skeleton, out, desc.metas)
+    same_process = desc.owner.agent_id == agent.peer.agent_id
+    tensors, record = agent.fetch(
+        desc,
+        state.handles,
+        dst=[checked.get(i) for i in range(len(desc.metas))] if checked else None,
+        targets=placement.targets(desc.metas, device),
+        transport=transport or state.transport,
+        view=not checked and (view or same_process),
+        pooled=pooled,
+        timeout_s=timeout_s,
+    )
+    ref.mark_moved(record.transport)
+    return placement.place(skeleton, tensors, desc.metas, outs)
+
+
+async def get_async(ref: Any, **options: Any) -> Any:
+    """``await``-able :func:`get_ref` (``await ref`` calls it); runs on a thread pool."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(executor(), functools.partial(get_ref, ref, **options))
+
+
+def executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tensorwire-get")
+        return _pool

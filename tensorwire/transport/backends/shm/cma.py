@@ -1,0 +1,297 @@
+"""Cross-memory attach: a consumer copies straight out of the producer's memory.
+
+``process_vm_readv`` (Linux 3.2) copies from another process's address space into ours in
+one pass, with no shared segment to fill first. The kernel allows it where the caller may
+``ptrace`` the target (same user; Yama's ``ptrace_scope`` 0; no seccomp filter denying it):
+:func:`unavailable_reason` detects that once per process and ``tensorwire doctor`` reports
+it. ``TENSORWIRE_SHM_DIRECT=0`` turns it off (shm then packs every object into a segment).
+
+The producer hands out addresses only after the object's token checked out (its descriptor
+server, :mod:`tensorwire.transport.backends.shm.memfd`), together with the address of a *live word*: a
+random 64-bit nonce in memory the producer never frees, overwritten when the object is
+freed. A consumer reads the tensors, then the live word; a mismatch means the object was
+freed (or its process replaced) during the copy, and the bytes are not used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from tensorwire.errors import TransferTimeoutError, TransportError
+
+__all__ = [
+    "DirectRead",
+    "LiveWords",
+    "PermissionLost",
+    "disable",
+    "enabled",
+    "pack_addresses",
+    "read_into",
+    "unavailable_reason",
+    "unpack_addresses",
+]
+
+_IOV_MAX = 1024
+_HEADER = struct.Struct("!QQI")  # live word address, nonce, tensor count
+_RANGE = struct.Struct("!QQ")  # address, bytes
+THREADED_MIN_NBYTES = 32 << 20  # a copy at least this large is split over the copy threads
+STEP_NBYTES = 16 << 20  # a copy that might miss its deadline goes in steps of this size
+_SLOW_BYTES_PER_S = 0.5e9  # a loaded machine's copy rate, for "surely done in time"
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class PermissionLost(TransportError):
+    """The kernel refused ``process_vm_readv`` (ptrace policy, seccomp): use segments."""
+
+
+_libc: ctypes.CDLL | None = None
+_reason: str | None = None
+_checked = False
+_lock = threading.Lock()
+
+
+def _readv() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.process_vm_readv.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
+        _libc.process_vm_readv.restype = ctypes.c_ssize_t
+    return _libc.process_vm_readv
+
+
+def _probe() -> str | None:
+    """Why this process cannot read another's memory, or None. Reads our own memory (the
+    syscall exists, no seccomp filter) and checks Yama's policy."""
+    try:
+        readv = _readv()
+    except (OSError, AttributeError):
+        return "this system's C library has no process_vm_readv"
+    src, dst = ctypes.create_string_buffer(b"tw", 2), ctypes.create_string_buffer(2)
+    local, remote = _Iovec(ctypes.addressof(dst), 2), _Iovec(ctypes.addressof(src), 2)
+    if readv(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != 2 or dst.raw != b"tw":
+        return f"process_vm_readv fails here ({os.strerror(ctypes.get_errno())}; seccomp or an old kernel)"
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = f.read().strip()
+    except OSError:
+        return None  # no Yama: the classic same-user ptrace check applies
+    if scope != "0":
+        return f"Yama ptrace_scope is {scope} (only 0 lets a process read a sibling's memory)"
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why direct reads are off in this process (detected once), or None when they are on."""
+    global _reason, _checked
+    if os.environ.get("TENSORWIRE_SHM_DIRECT", "1").strip() == "0":
+        return "turned off by TENSORWIRE_SHM_DIRECT=0"
+    with _lock:
+        if not _checked:
+            _reason, _checked = _probe(), True
+        return _reason
+
+
+def enabled() -> bool:
+    return unavailable_reason() is None
+
+
+def disable(reason: str) -> None:
+    """Turn direct reads off in this process (the kernel refused one)."""
+    global _reason, _checked
+    with _lock:
+        _reason, _checked = reason, True
+
+
+class LiveWords:
+    """Producer: 64-bit words that never move or go away, one per exported object."""
+
+    _CHUNK = 4096
+
+    def __init__(self) -> None:
+        self._chunks: list[ctypes.Array[ctypes.c_uint64]] = []
+        self._free: list[tuple[int, int]] = []
+        # Re-entrant: a reference's finalizer frees objects (clear) and the garbage collector
+        # may run it inside take, on this thread (making a chunk allocates).
+        self._lock = threading.RLock()
+
+    def take(self) -> tuple[tuple[int, int], int, int]:
+        """A slot, its address and its nonce (written in the slot)."""
+        with self._lock:
+            if not self._free:
+                self._chunks.append((ctypes.c_uint64 * self._CHUNK)())
+                index = len(self._chunks) - 1
+                fresh = [(index, i) for i in range(self._CHUNK - 1, -1, -1)]
+                self._free.extend(fresh)  # keeps a slot a finalizer gave back meanwhile
+            slot = self._free.pop()
+        nonce = secrets.randbits(64) | 1  # never 0: a cleared word
+        chunk = self._chunks[slot[0]]
+        chunk[slot[1]] = nonce
+        return slot, ctypes.addressof(chunk) + 8 * slot[1], nonce
+
+    def clear(self, slot: tuple[int, int]) -> None:
+        self._chunks[slot[0]][slot[1]] = 0
+        with self._lock:
+            self._free.append(slot)
+
+
+def pack_addresses(live_address: int, nonce: int, ranges: Sequence[tuple[int, int]]) -> bytes:
+    return _HEADER.pack(live_address, nonce, len(ranges)) + b"".join(_RANGE.pack(a, n) for a, n in ranges)
+
+
+class DirectRead:
+    """Consumer: what the producer said about one object (see :func:`unpack_addresses`)."""
+
+    __slots__ = ("live_address", "nonce", "ranges")
+
+    def __init__(self, live_address: int, nonce: int, ranges: list[tuple[int, int]]) -> None:
+        self.live_address, self.nonce, self.ranges = live_address, nonce, ranges
+
+
+def unpack_addresses(data: bytes) -> DirectRead:
+    """Raises ``TransportError`` for a malformed reply."""
+    if len(data) < _HEADER.size:
+        raise TransportError("malformed address reply from a descriptor server")
+    live, nonce, count = _HEADER.unpack_from(data)
+    if len(data) != _HEADER.size + count * _RANGE.size:
+        raise TransportError("malformed address reply from a descriptor server")
+    ranges = [_RANGE.unpack_from(data, _HEADER.size + i * _RANGE.size) for i in range(count)]
+    return DirectRead(live, nonce, ranges)
+
+
+def _read_pieces(pid: int, pieces: Sequence[tuple[int, int, int]]) -> None:
+    """Copy ``(local address, remote address, bytes)`` pieces from ``pid``; raises OSError.
+
+    The iovec arrays are built with numpy (two 64-bit words per entry, as ``struct iovec``
+    is on 64-bit Linux): a 1,024-tensor object costs two array copies, not 2,048 objects."""
+    readv = _readv()
+    table = np.array(pieces, dtype=np.uint64).reshape(-1, 3)
+    table = table[table[:, 2] > 0]
+    iov_type = ctypes.POINTER(_Iovec)
+    for start in range(0, len(table), _IOV_MAX):
+        batch = table[start : start + _IOV_MAX]
+        while len(batch):
+            local = np.ascontiguousarray(batch[:, [0, 2]])
+            remote = np.ascontiguousarray(batch[:, [1, 2]])
+            count = len(batch)
+            got = readv(pid, local.ctypes.data_as(iov_type), count, remote.ctypes.data_as(iov_type), count, 0)
+            if got < 0:
+                code = ctypes.get_errno()
+                raise OSError(code, os.strerror(code))
+            if got == 0:
+                raise OSError(errno.EFAULT, "process_vm_readv copied nothing")
+            ends = np.cumsum(batch[:, 2])
+            done = int(np.searchsorted(ends, got, side="right"))  # pieces copied whole
+            batch = batch[done:].copy()
+            if len(batch):
+                partial = got - (int(ends[done - 1]) if done else 0)
+                step = np.uint64(partial)
+                batch[0, 0] += step
+                batch[0, 1] += step
+                batch[0, 2] -= step
+
+
+def _split(pieces: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """``pieces`` cut into ``parts`` runs of about equal bytes (large pieces are cut)."""
+    total = sum(p[2] for p in pieces)
+    share = -(-total // parts)
+    runs: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for piece in pieces:
+        local, remote, size = piece
+        while size:
+            take = min(size, room)
+            runs[-1].append((local, remote, take))
+            local, remote, size, room = local + take, remote + take, size - take, room - take
+            if room == 0 and len(runs) < parts:
+                runs.append([])
+                room = share
+    return [r for r in runs if r]
+
+
+def _read_parallel(pid: int, pieces: list[tuple[int, int, int]], threads: int) -> None:
+    runs = _split(pieces, threads)
+    errors: list[OSError] = []
+
+    def work(run: list[tuple[int, int, int]]) -> None:
+        try:
+            _read_pieces(pid, run)
+        except OSError as e:
+            errors.append(e)
+
+    helpers = [threading.Thread(target=work, args=(r,), daemon=True) for r in runs[1:]]
+    for t in helpers:
+        t.start()
+    work(runs[0])
+    for t in helpers:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _read_in_steps(pid: int, pieces: list[tuple[int, int, int]], total: int, deadline: float, what: str) -> None:
+    """A copy that might not fit in the time left: 16 MiB steps, the deadline checked between."""
+    steps = _split(pieces, -(-total // STEP_NBYTES))
+    done = 0
+    for step in steps:
+        if done and time.monotonic() >= deadline:
+            raise TransferTimeoutError(f"{what}: not complete before the deadline ({done} of {total} bytes)")
+        _read_pieces(pid, step)
+        done += sum(p[2] for p in step)
+
+
+def read_into(
+    pid: int,
+    info: DirectRead,
+    local: Sequence[tuple[int, int]],
+    *,
+    threads: int = 1,
+    deadline: float | None = None,
+    what: str = "direct read",
+) -> bool:
+    """Copy the producer's ranges into ``local`` ``(address, bytes)`` buffers (same order and
+    sizes), then read its live word: True if the object was live throughout. A copy that
+    might not fit before ``deadline`` (``time.monotonic()``) goes in steps and raises
+    ``TransferTimeoutError`` naming ``what`` when the time is up.
+
+    Raises:
+        PermissionLost: The kernel refused the read (the owner's pid may belong to another
+            process now; if the owner lives, the caller turns direct reads off).
+        OSError: The process is gone (ESRCH) or the memory unmapped (EFAULT).
+    """
+    pieces = [(dst, src, n) for (dst, n), (src, m) in zip(local, info.ranges, strict=True) if n == m]
+    if len(pieces) != len(info.ranges):
+        raise TransportError("direct read: the owner's tensor sizes and the consumer's buffers disagree")
+    total = sum(p[2] for p in pieces)
+    try:
+        if deadline is not None and deadline - time.monotonic() <= total / _SLOW_BYTES_PER_S:
+            _read_in_steps(pid, pieces, total, deadline, what)
+        elif threads > 1 and total >= THREADED_MIN_NBYTES:
+            _read_parallel(pid, pieces, threads)
+        else:
+            _read_pieces(pid, pieces)
+        word = ctypes.c_uint64(0)
+        _read_pieces(pid, [(ctypes.addressof(word), info.live_address, 8)])
+    except OSError as e:
+        if e.errno == errno.EPERM:  # the caller turns direct reads off if the owner still lives
+            raise PermissionLost(f"the kernel refused to read the producer's memory: {e.strerror}") from None
+        raise
+    return word.value == info.nonce
