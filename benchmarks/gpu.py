@@ -100,8 +100,10 @@ def main() -> int:
             torch.cuda.empty_cache()
     finally:
         producer.close()
-    print(f"GB/s, median ({torch.cuda.get_device_name(0)}, {machine()['cores']} cores, {machine()['cpu']}; "
-          "two processes on one GPU; times include synchronize)")  # fmt: skip
+    print(
+        f"GB/s, median ({torch.cuda.get_device_name(0)}, {machine()['cores']} cores, {machine()['cpu']}; "
+        "two processes on one GPU; times include synchronize)"
+    )
     print()
     print("| method | " + " | ".join(_size(n) for n in SIZES) + " |")
     print("|---" * (len(SIZES) + 1) + "|")
@@ -114,8 +116,10 @@ def main() -> int:
         ratios = ", ".join(f"{_size(n)} {bound[n] / rows[method][n]:.2f}x" for n in SIZES if n in rows[method]) or "-"
         print(f"- {method} / torch copy_: {ratios}")
     if MIB in rows["cuda_ipc"]:
-        print(f"- 1 MiB fetch latency: cuda_ipc {rows['cuda_ipc'][MIB] * 1e6:.0f} us, "
-              f"torch copy_ {bound[MIB] * 1e6:.0f} us")  # fmt: skip
+        print(
+            f"- 1 MiB fetch latency: cuda_ipc {rows['cuda_ipc'][MIB] * 1e6:.0f} us, "
+            f"torch copy_ {bound[MIB] * 1e6:.0f} us"
+        )
     print(f"- automatic choice at 256 MiB: {reasons[256 * MIB]}")
     for method, error in FAILURES.items():
         print(f"- {method} FAILED: {error}")

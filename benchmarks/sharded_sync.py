@@ -51,26 +51,39 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: statistics.median(times) for name, times in samples.items()}
     ours = medians["tensorwire WeightSync"]
     model = sum(4 * math.prod(shape) for shape in bench.model.values())
-    print(f"\nmodel {model / MIB:.0f} MiB in {len(bench.model)} tensors, 2 trainers -> 4 receivers; plan: "
-          f"{plan_bytes / MIB:.0f} MiB per push ({plan_bytes / MIB / 4:.0f} MiB per receiver); single-thread memcpy "
-          f"{memcpy:.2f} GB/s -> bound {bound:.3f} s; median of {args.repeats}")  # fmt: skip
+    print(
+        f"\nmodel {model / MIB:.0f} MiB in {len(bench.model)} tensors, 2 trainers -> 4 receivers; plan: "
+        f"{plan_bytes / MIB:.0f} MiB per push ({plan_bytes / MIB / 4:.0f} MiB per receiver); single-thread memcpy "
+        f"{memcpy:.2f} GB/s -> bound {bound:.3f} s; median of {args.repeats}"
+    )
     header = ("method", "seconds", "GB/s", "moved MiB", "x plan", "x bound", "vs tensorwire")
     print(" ".join(f"{h:>{w}}" for h, w in zip(header, (32, 8, 6, 10, 7, 8, 14), strict=True)))
     for name, seconds in medians.items():
         moved = sum(n for (t, r), n in pairs[name].items())
-        print(f"{name:>32} {seconds:8.3f} {plan_bytes / seconds / 1e9:6.2f} {moved / MIB:10.0f} "
-              f"{moved / plan_bytes:7.2f} {seconds / bound:8.2f} {seconds / ours:13.2f}x")  # fmt: skip
+        print(
+            f"{name:>32} {seconds:8.3f} {plan_bytes / seconds / 1e9:6.2f} {moved / MIB:10.0f} "
+            f"{moved / plan_bytes:7.2f} {seconds / bound:8.2f} {seconds / ours:13.2f}x"
+        )
     print("bytes per (trainer, receiver) pair, MiB (receiver -1: trainer to trainer):")
     for name, table in pairs.items():
         print(f"  {name}: " + ", ".join(f"{k}: {v / MIB:.0f}" for k, v in sorted(table.items())))
     gather = medians["gather on trainer 0, push whole"]
-    print(f"tensorwire: {gather / ours:.2f}x the gather-then-push baseline, {medians['Ray object store'] / ours:.2f}x "
-          f"Ray's object store; {ours / bound:.2f}x the memcpy bound for the plan's bytes")  # fmt: skip
+    print(
+        f"tensorwire: {gather / ours:.2f}x the gather-then-push baseline, {medians['Ray object store'] / ours:.2f}x "
+        f"Ray's object store; {ours / bound:.2f}x the memcpy bound for the plan's bytes"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"plan_nbytes": plan_bytes, "memcpy_gbps": memcpy, "samples_s": samples,
-                       "pairs": {m: {f"{t}->{r}": n for (t, r), n in p.items()} for m, p in pairs.items()}}, f,
-                      indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "plan_nbytes": plan_bytes,
+                    "memcpy_gbps": memcpy,
+                    "samples_s": samples,
+                    "pairs": {m: {f"{t}->{r}": n for (t, r), n in p.items()} for m, p in pairs.items()},
+                },
+                f,
+                indent=1,
+            )
     ray.shutdown()
     return 0
 

@@ -19,8 +19,14 @@ from tensorwire.bench import ops
 from tensorwire.peers import ask, spawn
 
 _ROUNDS = 50  # timed rounds per case with --benchmark-enable (one without)
-CASES = [("inline", 4096, "same"), ("shm", 65536, "same"), ("shm", 1 << 20, "same"), ("ucx", 65536, "other"),
-         ("gloo", 65536, "other"), ("host", 65536, "other")]  # fmt: skip
+CASES = [
+    ("inline", 4096, "same"),
+    ("shm", 65536, "same"),
+    ("shm", 1 << 20, "same"),
+    ("ucx", 65536, "other"),
+    ("gloo", 65536, "other"),
+    ("host", 65536, "other"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +67,14 @@ def test_fetch(benchmark, producers, transport, nbytes, where):
     out = torch.empty(nbytes, dtype=torch.uint8)
     tw.get(ref, out=out, transport=transport, timeout_s=60)  # connect and map first
     rounds = _CheckedRounds(out, ops.pattern(nbytes))
-    benchmark.pedantic(tw.get, args=(ref,), kwargs={"out": out, "transport": transport, "timeout_s": 60},
-                       setup=rounds, rounds=_ROUNDS, warmup_rounds=1)  # fmt: skip
+    benchmark.pedantic(
+        tw.get,
+        args=(ref,),
+        kwargs={"out": out, "transport": transport, "timeout_s": 60},
+        setup=rounds,
+        rounds=_ROUNDS,
+        warmup_rounds=1,
+    )
     rounds.finish()
 
 

@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     from ray.experimental.collective import create_collective_group
 
     trainer = Node.options(enable_tensor_transport=True).remote(args.tensors, nbytes, 1)
-    receivers = [Node.options(enable_tensor_transport=True).remote(args.tensors, nbytes, None)
-                 for _ in range(args.receivers)]  # fmt: skip
+    receivers = [
+        Node.options(enable_tensor_transport=True).remote(args.tensors, nbytes, None) for _ in range(args.receivers)
+    ]
     everyone = [trainer, *receivers]
     create_collective_group([a.ray_handle for a in everyone], backend="torch_gloo")  # for RDT
     tw.collective.create_group(everyone, backend="gloo", name="bench")  # torch.distributed gloo
@@ -177,21 +178,36 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: statistics.median(s) for name, s in samples.items()}
     ours = medians["tensorwire WeightSync"]
     best_other = min(t for name, t in medians.items() if name != "tensorwire WeightSync")
-    print(f"\nstate {total / MIB:.0f} MiB in {args.tensors} tensors -> {args.receivers} receivers, median of "
-          f"{args.repeats}; single-thread memcpy: {state_gbps:.2f} GB/s tensor by tensor (bound "
-          f"{state_bound:.3f} s), {block_gbps:.2f} GB/s as one block (bound {block_bound:.3f} s)")  # fmt: skip
+    print(
+        f"\nstate {total / MIB:.0f} MiB in {args.tensors} tensors -> {args.receivers} receivers, median of "
+        f"{args.repeats}; single-thread memcpy: {state_gbps:.2f} GB/s tensor by tensor (bound "
+        f"{state_bound:.3f} s), {block_gbps:.2f} GB/s as one block (bound {block_bound:.3f} s)"
+    )
     print(f"{'method':>34} {'seconds':>8} {'GB/s':>6} {'x bound':>8} {'x block bound':>14} {'vs tensorwire':>14}")
     for name, seconds in medians.items():
         rate = total * args.receivers / seconds / 1e9
-        print(f"{name:>34} {seconds:8.3f} {rate:6.2f} {seconds / state_bound:8.2f} {seconds / block_bound:14.2f} "
-              f"{seconds / ours:13.2f}x")  # fmt: skip
-    print(f"tensorwire: {best_other / ours:.2f}x faster than the best alternative; {ours / state_bound:.2f}x the "
-          f"tensor-by-tensor memcpy bound, {ours / block_bound:.2f}x the one-block bound")  # fmt: skip
+        print(
+            f"{name:>34} {seconds:8.3f} {rate:6.2f} {seconds / state_bound:8.2f} {seconds / block_bound:14.2f} "
+            f"{seconds / ours:13.2f}x"
+        )
+    print(
+        f"tensorwire: {best_other / ours:.2f}x faster than the best alternative; {ours / state_bound:.2f}x the "
+        f"tensor-by-tensor memcpy bound, {ours / block_bound:.2f}x the one-block bound"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"nbytes": total, "tensors": args.tensors, "receivers": args.receivers,
-                       "memcpy_state_gbps": state_gbps, "memcpy_block_gbps": block_gbps,
-                       "samples_s": samples}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "nbytes": total,
+                    "tensors": args.tensors,
+                    "receivers": args.receivers,
+                    "memcpy_state_gbps": state_gbps,
+                    "memcpy_block_gbps": block_gbps,
+                    "samples_s": samples,
+                },
+                f,
+                indent=1,
+            )
     sync.close()
     tw.collective.destroy_group("bench")
     ray.shutdown()

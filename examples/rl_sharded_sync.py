@@ -141,8 +141,12 @@ def rename(name: str) -> str:
         return fixed[name]
     prefix, _, rest = name.partition(".")  # "blocks.<i>.<rest>"
     layer, _, rest = rest.partition(".")
-    theirs = {"norm1": "input_layernorm.weight", "norm2": "post_attention_layernorm.weight",
-              "o.weight": "self_attn.o_proj.weight", "down.weight": "mlp.down_proj.weight"}  # fmt: skip
+    theirs = {
+        "norm1": "input_layernorm.weight",
+        "norm2": "post_attention_layernorm.weight",
+        "o.weight": "self_attn.o_proj.weight",
+        "down.weight": "mlp.down_proj.weight",
+    }
     return f"layers.{layer}.{theirs[rest]}" if prefix == "blocks" and rest in theirs else name
 
 
@@ -161,9 +165,11 @@ class InferenceRank:
     def __init__(self, replica: int, tp: int) -> None:
         self.replica, self.tp = replica, tp
         heads = HEADS // TP
-        self.weights: dict[str, torch.Tensor] = {"tok_embeddings.weight": torch.zeros(VOCAB, DIM),
-                                                 "output.weight": torch.zeros(VOCAB, DIM),
-                                                 "final_norm.weight": torch.zeros(DIM)}  # fmt: skip
+        self.weights: dict[str, torch.Tensor] = {
+            "tok_embeddings.weight": torch.zeros(VOCAB, DIM),
+            "output.weight": torch.zeros(VOCAB, DIM),
+            "final_norm.weight": torch.zeros(DIM),
+        }
         for i in range(LAYERS):
             p = f"layers.{i}."
             self.weights |= {
@@ -240,9 +246,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"step {step}: replica {r} differs from the trainers' model by {error:.2e}", file=sys.stderr)
                 return 1
         if step == 1 or step % 5 == 0:
-            print(f"step {step:3d}  loss {loss:.3f}  push v{report.version}: {report.moved_nbytes / 1024:.0f} KiB "
-                  f"(plan {report.plan_nbytes / 1024:.0f} KiB) in {report.seconds * 1e3:.1f} ms; replicas match "
-                  f"the trainers (max |diff| {worst:.1e})")  # fmt: skip
+            print(
+                f"step {step:3d}  loss {loss:.3f}  push v{report.version}: {report.moved_nbytes / 1024:.0f} KiB "
+                f"(plan {report.plan_nbytes / 1024:.0f} KiB) in {report.seconds * 1e3:.1f} ms; replicas match "
+                f"the trainers (max |diff| {worst:.1e})"
+            )
     print(f"done: {args.steps} pushes, every replica matched the trainers' model after each (max |diff| {worst:.1e})")
     sync.close()
     return 0

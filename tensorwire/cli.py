@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -21,6 +20,7 @@ def _node_report() -> dict[str, Any]:
     agent = runtime_agent()  # first: under Ray its start-up takes the node id from Ray
     report = describe_node()
     unusable = agent.unusable_transports()
+    report["transport_libraries"] = registry.library_report()
     report["transports"] = {name: unusable.get(name, "usable") for name in registry.registered_transports()}
     return report
 
@@ -91,32 +91,17 @@ def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
     from tensorwire.progress import ProgressBar
     from tensorwire.runtime.ray_env import agent as runtime_agent
     from tensorwire.transport import registry
-    from tensorwire.transport.backends.shm import cma
     from tensorwire.transport.hw.topology import describe_node
 
     results: list[tuple[str, str, str]] = []
     node = describe_node()
-    if hasattr(os, "memfd_create"):  # same-node segments are anonymous: /dev/shm's size does not limit them
-        results.append(("shared memory", "ok", "anonymous segments (memfd_create); /dev/shm is not used"))
-    else:
-        results.append(("shared memory", "fail", "no memfd_create: same-node transfers fall back to two-sided ones"))
-    direct = cma.unavailable_reason()
-    allowed = "process_vm_readv allowed: one copy per shm fetch"
-    results.append(("shm direct reads", "ok" if direct is None else "warn", direct or allowed))
     nvidia = node["accelerators"].get("nvidia", {})
     if nvidia.get("devices"):
         results.append(("NVML", "ok", f"{len(nvidia['devices'])} NVIDIA GPU(s)"))
     else:
         results.append(("NVML", "warn", str(nvidia.get("reason") or "no NVIDIA GPU")))
-    libraries = node["transport_libraries"]
-    if libraries.get("ucxx") != "importable":
-        results.append(("UCX", "warn", str(libraries.get("ucxx"))))
     if not node["rdma_nics"]:
         results.append(("RDMA", "warn", "no InfiniBand/RoCE NIC: cross-node traffic uses TCP"))
-    nixl = str(libraries.get("nixl", ""))
-    if not nixl.startswith("not installed"):
-        results.append(_nixl_report(nixl))
-
     agent = runtime_agent()
     large = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
     small = large[:1024].clone()  # inline carries only small values
@@ -129,25 +114,9 @@ def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
             bar.step(name, 0)  # names the transport being checked
             results.extend(_check_transport(name, agent, connections, large, small))
             bar.step(name)
-    results.extend(_ucx_report(agent))
+    for reports in agent.diagnose().values():  # each usable transport on its library and hardware
+        results.extend((d.check, d.health.value, d.detail) for d in reports)
     return results
-
-
-def _nixl_report(library: str) -> tuple[str, str, str]:
-    """NIXL's wheel, the backends an agent made now has, and the RDMA devices its bundled verbs
-    library lists (what its UCX's ib transports would open)."""
-    from tensorwire.transport.backends.nixl import engine as nixl_engine
-    from tensorwire.transport.hw.topology import nixl_verbs_devices
-
-    try:
-        backends = ", ".join(nixl_engine.new_agent(f"tw-doctor-{os.getpid()}").backends) or "none"
-    except Exception as e:  # noqa: BLE001 - reported, the transport check says the rest
-        backends = f"none ({type(e).__name__}: {e})"
-    devices = nixl_verbs_devices()
-    if isinstance(devices, list) and devices:
-        return "NIXL", "ok", f"{library}; backends {backends}; its verbs library sees RDMA devices {', '.join(devices)}"
-    why = devices if isinstance(devices, str) else "its verbs library lists none"
-    return "NIXL", "warn", f"{library}; backends {backends}; no RDMA device ({why}): its UCX uses TCP across nodes"
 
 
 def _check_transport(
@@ -194,30 +163,6 @@ def _check_transport(
             status, detail = "fail", "data arrived corrupted"
         results.append((f"transport {name}", status, f"{where}, {size}" if status == "ok" else detail))
     return results
-
-
-def _ucx_report(agent: Any) -> list[tuple[str, str, str]]:
-    """Which UCX transports are active here, and what is missing for fast cross-node paths."""
-    from tensorwire.errors import TransportError
-
-    transport = agent.transports().get("ucx")
-    if transport is None:
-        return []
-    try:
-        active = transport.worker().transports
-    except TransportError as e:
-        return [("UCX transports", "fail", str(e))]
-    line = ", ".join(active)
-    if not set(active) & {"rc", "rc_mlx5", "rc_verbs", "ud", "ud_mlx5", "ud_verbs", "dc", "dc_mlx5"}:
-        return [
-            (
-                "UCX transports",
-                "warn",
-                f"{line}; no InfiniBand/RoCE: across nodes UCX uses TCP "
-                "(a system UCX built with verbs is used with RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true)",
-            )
-        ]
-    return [("UCX transports", "ok", line)]
 
 
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:
@@ -310,14 +255,21 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
 
     bench.add_argument("-b", "--min-bytes", type=parse_size, default=4 << 10, help="smallest size (default 4K)")
     bench.add_argument(
-        "-e", "--max-bytes", type=parse_size, default=None,
+        "-e",
+        "--max-bytes",
+        type=parse_size,
+        default=None,
         help="largest size (default 16M; with --calibrate the bandwidth size, default 64M)",
-    )  # fmt: skip
+    )
     bench.add_argument("-f", "--factor", type=float, default=16.0, help="size multiplication factor (default 16)")
     bench.add_argument(
-        "-n", "--iters", type=int, default=20, action=_Given,
+        "-n",
+        "--iters",
+        type=int,
+        default=20,
+        action=_Given,
         help="timed iterations per size (default 20; with --calibrate repeats, default 5)",
-    )  # fmt: skip
+    )
     bench.add_argument("-w", "--warmup-iters", type=int, default=3, help="untimed iterations first (default 3)")
     bench.add_argument("--transports", default="", help="comma-separated transports to force (default: every usable)")
     bench.add_argument("--peers", type=int, default=2, help="receivers in concurrent and one-to-n (default 2)")
@@ -327,8 +279,12 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--check", action="store_true", help="verify every byte that arrived (#wrong column)")
     bench.add_argument("--json", default="", help="write the results here (schema tensorwire-bench v1)")
     bench.add_argument("--plot", default="", help="write a PNG of GB/s against size here (needs matplotlib)")
-    bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                       help="progress bar on stderr (default: when stderr is a terminal)")  # fmt: skip
+    bench.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
     bench.add_argument(
         "--calibrate", action="store_true", help="measure every transport and write this machine's cost table"
     )
@@ -357,8 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     topo.add_argument("--address", default="", help="a Ray cluster address: report every node of it")
     doctor = commands.add_parser("doctor", help="check every transport with a real transfer; say what to fix")
     doctor.add_argument("--json", action="store_true", help="print JSON")
-    doctor.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="progress bar on stderr (default: when stderr is a terminal)")  # fmt: skip
+    doctor.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
     bench = commands.add_parser(
         "bench",
         help="transports against the alternatives, same run (nccl-tests style flags); --calibrate for the selector",

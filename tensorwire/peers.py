@@ -19,8 +19,17 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["OTHER_NODE", "SAME_NODE", "Peer", "ask", "consumer_device", "digest_of_fetch", "median_fetch_seconds",
-           "peers", "spawn"]  # fmt: skip
+__all__ = [
+    "OTHER_NODE",
+    "SAME_NODE",
+    "Peer",
+    "ask",
+    "consumer_device",
+    "digest_of_fetch",
+    "median_fetch_seconds",
+    "peers",
+    "spawn",
+]
 
 SAME_NODE = "same node"
 OTHER_NODE = "other node"

@@ -31,8 +31,9 @@ class ProgressBar:
         if enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, ascii=True, mininterval=0,
-                             miniters=1, leave=True)  # fmt: skip
+            self._bar = tqdm(
+                total=total, desc=desc, unit=unit, file=sys.stderr, ascii=True, mininterval=0, miniters=1, leave=True
+            )
         self._total = total
         self.done = 0
 

@@ -80,8 +80,12 @@ def _rows() -> list[Row]:
             "p2p-processes", method, {"times": [seconds] * 3, "wrong": 0}, baseline=baseline, nbytes=1 << 20
         )
 
-    return [row("memcpy (one thread)", True, 1e-4), row("tensorwire shm", False, 2e-4),
-            row("bare gloo", True, 4e-4), row("bare ucxx", True, 8e-4)]  # fmt: skip
+    return [
+        row("memcpy (one thread)", True, 1e-4),
+        row("tensorwire shm", False, 2e-4),
+        row("bare gloo", True, 4e-4),
+        row("bare ucxx", True, 8e-4),
+    ]
 
 
 def test_rows_are_compared_with_the_best_alternative_and_with_memcpy():
@@ -101,8 +105,17 @@ def test_table_cuts_reasons_at_a_word_and_prints_no_infinite_rate():
     from tensorwire.bench.schema import Fit
 
     reason = "same node, host memory, 67108864 B: shm (fastest estimate, est 13.5 ms); next: host 68.6 ms"
-    rows = [make_row("p2p-processes", "tensorwire auto", {"times": [0.0, 0.0], "wrong": 0}, baseline=False,
-                     nbytes=1 << 20, transport="shm", reason=reason)]  # fmt: skip
+    rows = [
+        make_row(
+            "p2p-processes",
+            "tensorwire auto",
+            {"times": [0.0, 0.0], "wrong": 0},
+            baseline=False,
+            nbytes=1 << 20,
+            transport="shm",
+            reason=reason,
+        )
+    ]
     fits = [Fit("p2p-processes", "tensorwire auto", 12.0, math.inf, [4096, 65536])]
     text = format_table(rows, fits)
     assert "inf" not in text.lower()
@@ -132,8 +145,15 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TENSORWIRE_HOST": "127.0.0.1"}
     for key in ("TENSORWIRE_NODE_ID", "TENSORWIRE_CLUSTER_TOKEN", "RAY_ADDRESS"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "tensorwire", "bench", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "tensorwire", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
 
 
 def test_bench_smoke_every_scenario_tiny_sizes_checked(tmp_path):
@@ -167,8 +187,14 @@ def test_bench_smoke_every_scenario_tiny_sizes_checked(tmp_path):
     ours = [r for r in rows if r["method"] == "tensorwire auto (same node)" and r["scenario"] == "p2p-processes"]
     assert [r["nbytes"] for r in ours] == [4096, 65536]
     for r in ours:  # the ratio is the best alternative's median over ours, from the rows' own numbers
-        alternatives = [b["p50_us"] for b in rows if b["scenario"] == "p2p-processes" and b["nbytes"] == r["nbytes"]
-                        and b["baseline"] and not b["method"].startswith("memcpy")]  # fmt: skip
+        alternatives = [
+            b["p50_us"]
+            for b in rows
+            if b["scenario"] == "p2p-processes"
+            and b["nbytes"] == r["nbytes"]
+            and b["baseline"]
+            and not b["method"].startswith("memcpy")
+        ]
         assert len(alternatives) >= 2 and r["vs_best_baseline"] == pytest.approx(min(alternatives) / r["p50_us"])
     assert "p50" in done.stdout.splitlines()[0] and "GB/s" in done.stdout.splitlines()[1]  # header, units
 
@@ -181,8 +207,11 @@ def _check_nixl_compare_rows(rows: list[dict]) -> None:
     for where in ("same node", "other node, UCX tcp"):
         for mode in ("same object", "new object"):
             for case in cases:
-                here = {r["method"]: r for r in rows if (r["nbytes"], r["tensors"]) == case
-                        and r["method"].endswith(f", {mode} ({where})")}  # fmt: skip
+                here = {
+                    r["method"]: r
+                    for r in rows
+                    if (r["nbytes"], r["tensors"]) == case and r["method"].endswith(f", {mode} ({where})")
+                }
                 names = {m.split(",")[0] for m in here}
                 assert {"bare NIXL", "tensorwire nixl"} <= names, (case, names)
                 assert mode == "new object" or {"tensorwire ucx", "tensorwire host"} <= names, (case, names)
@@ -218,8 +247,23 @@ def test_a_transport_that_needs_two_gpus_is_received_on_the_second_or_skipped_wi
 
 def test_bench_plot_and_progress(tmp_path):
     png = tmp_path / "bench.png"
-    done = run_cli("--scenarios", "p2p-processes", "--transports", "shm", "-b", "4K", "-e", "64K", "-n", "2", "-w",
-                   "0", "--plot", str(png), "--progress")  # fmt: skip
+    done = run_cli(
+        "--scenarios",
+        "p2p-processes",
+        "--transports",
+        "shm",
+        "-b",
+        "4K",
+        "-e",
+        "64K",
+        "-n",
+        "2",
+        "-w",
+        "0",
+        "--plot",
+        str(png),
+        "--progress",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     drawn = [(int(a), int(b)) for a, b in re.findall(r"bench: +\d+%\|[^|]*\| (\d+)/(\d+) \[", done.stderr)]

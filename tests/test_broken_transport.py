@@ -25,8 +25,9 @@ def run(args: list[str], broken: str = "", *, after: int = 0, timeout: float = 3
         env.update(environment(broken, after=after))
     else:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
+    )
 
 
 def test_the_broken_transport_is_installed_in_every_process_it_reaches():
@@ -39,8 +40,26 @@ def test_bench_check_counts_every_round_it_wrote_nothing(tmp_path):
     """Each process's first fetch is intact (it makes the buffers; the actors' is the warm-up);
     every timed round after it must be counted wrong, in the process and the Ray scenarios."""
     out = tmp_path / "bench.json"
-    args = ["-m", "tensorwire", "bench", "--scenarios", "p2p-processes,p2p-actors", "-b", "64K", "-e", "64K",
-            "-n", "3", "-w", "1", "--check", "--transports", "shm", "--json", str(out)]  # fmt: skip
+    args = [
+        "-m",
+        "tensorwire",
+        "bench",
+        "--scenarios",
+        "p2p-processes,p2p-actors",
+        "-b",
+        "64K",
+        "-e",
+        "64K",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--check",
+        "--transports",
+        "shm",
+        "--json",
+        str(out),
+    ]
     done = run(args, "shm", after=1)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "transfer(s) delivered wrong data" in done.stdout

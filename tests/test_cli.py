@@ -165,8 +165,9 @@ def test_doctor_checks_every_transport_with_a_real_transfer(doctor_json):
 
     direct = next(r for r in results if r["check"] == "shm direct reads")  # detected once, reported
     why_not = cma._probe()  # as a new process finds it (this one may have turned direct reads off)
-    assert (direct["status"], direct["detail"]) == (("ok", "process_vm_readv allowed: one copy per shm fetch")
-                                                    if why_not is None else ("warn", why_not))  # fmt: skip
+    assert (direct["status"], direct["detail"]) == (
+        ("ok", "process_vm_readv allowed: one copy per shm fetch") if why_not is None else ("warn", why_not)
+    )
 
 
 def test_doctor_reports_a_broken_transport_and_fails():
@@ -178,8 +179,14 @@ def test_doctor_reports_a_broken_transport_and_fails():
 
 
 def test_doctor_text_output_is_one_line_per_check(doctor_json):
-    done = subprocess.run([sys.executable, "-m", "tensorwire", "doctor"], capture_output=True, text=True, timeout=180,
-                          env=dict(os.environ), check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "tensorwire", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ),
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(doctor_json.stdout)  # the same checks as JSON: one aligned line each, in the same order
     assert done.stdout.splitlines() == [f"{r['status'].upper():5} {r['check']:20} {r['detail']}" for r in results]

@@ -24,7 +24,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.bench import ops
-from tensorwire.bench.runner import make_row
+from tensorwire.bench.schema import make_row
 from tensorwire.runtime import calls, ray_paths
 
 __all__ = ["run"]
@@ -113,8 +113,12 @@ def ray_node() -> Any:
     through the object store, ``value_rdt*`` through Ray's direct transport."""
     if not _ray_node:
         # GPU variants (unverified: written for machines with GPUs and Ray; none was available)
-        methods = {"value_rdt": (_value, "gloo"), "value_rdt_nccl": (_value, "nccl"),
-                   "value_rdt_cuda_ipc": (_value, "cuda_ipc"), "value_rdt_nixl": (_value, "nixl")}  # fmt: skip
+        methods = {
+            "value_rdt": (_value, "gloo"),
+            "value_rdt_nccl": (_value, "nccl"),
+            "value_rdt_cuda_ipc": (_value, "cuda_ipc"),
+            "value_rdt_nixl": (_value, "nixl"),
+        }
         _ray_node.append(ray_paths.rdt_actor_class(_RayNode, methods, num_cpus=0))
     return _ray_node[0]
 
@@ -162,14 +166,29 @@ def _interleaved(plans: dict[str, _Plan], nbytes: int, tensors: int, options: An
 
 
 def _measure(
-    scenario: str, plans: dict[str, _Plan], nbytes: int, options: Any, *, reason: str, progress: Any = None,
-) -> list[Any]:  # fmt: skip
+    scenario: str,
+    plans: dict[str, _Plan],
+    nbytes: int,
+    options: Any,
+    *,
+    reason: str,
+    progress: Any = None,
+) -> list[Any]:
     """A row per method, measured interleaved (:func:`_interleaved`)."""
     rows = []
     for method, result in _interleaved(plans, nbytes, 1, options).items():
         baseline = plans[method].baseline
-        rows.append(make_row(scenario, method, result, baseline=baseline, nbytes=nbytes,
-                             transport="" if baseline else "auto", reason=reason))  # fmt: skip
+        rows.append(
+            make_row(
+                scenario,
+                method,
+                result,
+                baseline=baseline,
+                nbytes=nbytes,
+                transport="" if baseline else "auto",
+                reason=reason,
+            )
+        )
         if progress is not None:
             progress.step(f"actors {method} {nbytes}")
     return rows
@@ -211,21 +230,27 @@ def _p2p(options: Any, progress: Any, notes: list[str]) -> list[Any]:
         nodes = [tw_src, tw_dst, ray_src, ray_dst, zc_src, zc_dst]
         _gather([n.set.remote(nbytes, 1) for n in nodes])
         plans = {
-            "tensorwire (@tw.method ref)": _Plan(functools.partial(_hand_over, tw_src, tw_dst, "value_ref"), tw_src,
-                                                 [tw_dst], False),
-            "Ray object store": _Plan(functools.partial(_hand_over, ray_src, ray_dst, "value_plain"), ray_src,
-                                      [ray_dst], True),
-            "Ray object store, zero-copy torch": _Plan(functools.partial(_hand_over, zc_src, zc_dst, "value_plain"),
-                                                       zc_src, [zc_dst], True),
-        }  # fmt: skip
+            "tensorwire (@tw.method ref)": _Plan(
+                functools.partial(_hand_over, tw_src, tw_dst, "value_ref"), tw_src, [tw_dst], False
+            ),
+            "Ray object store": _Plan(
+                functools.partial(_hand_over, ray_src, ray_dst, "value_plain"), ray_src, [ray_dst], True
+            ),
+            "Ray object store, zero-copy torch": _Plan(
+                functools.partial(_hand_over, zc_src, zc_dst, "value_plain"), zc_src, [zc_dst], True
+            ),
+        }
         if rdt:
-            plans["Ray RDT (gloo)"] = _Plan(functools.partial(_hand_over, ray_src, ray_dst, "value_rdt"), ray_src,
-                                            [ray_dst], True)  # fmt: skip
+            plans["Ray RDT (gloo)"] = _Plan(
+                functools.partial(_hand_over, ray_src, ray_dst, "value_rdt"), ray_src, [ray_dst], True
+            )
         if nixl_rdt:  # Ray's NIXL transport reads CPU tensors too (it imports nixl._api)
-            plans["Ray RDT (nixl)"] = _Plan(functools.partial(_hand_over, ray_src, ray_dst, "value_rdt_nixl"),
-                                            ray_src, [ray_dst], True)  # fmt: skip
-        rows += _measure("p2p-actors", plans, nbytes, options, reason="actor -> actor, the consumer copies it in",
-                         progress=progress)  # fmt: skip
+            plans["Ray RDT (nixl)"] = _Plan(
+                functools.partial(_hand_over, ray_src, ray_dst, "value_rdt_nixl"), ray_src, [ray_dst], True
+            )
+        rows += _measure(
+            "p2p-actors", plans, nbytes, options, reason="actor -> actor, the consumer copies it in", progress=progress
+        )
     return rows
 
 
@@ -262,13 +287,16 @@ def _p2p_gpu(options: Any, notes: list[str]) -> list[Any]:
         for nbytes in options.sizes:
             _gather([n.set.remote(nbytes, 1, "cuda") for n in (tw_src, tw_dst, ray_src, ray_dst)])
             plans = {
-                f"tensorwire GPU ({rdt} placement)": _Plan(functools.partial(_hand_over, tw_src, tw_dst, "value_ref"),
-                                                           tw_src, [tw_dst], False),
-                f"Ray RDT ({rdt})": _Plan(functools.partial(_hand_over, ray_src, ray_dst, method_name), ray_src,
-                                          [ray_dst], True),
-            }  # fmt: skip
-            rows += _measure(f"p2p-actors-gpu-{rdt}", plans, nbytes, options,
-                             reason="GPU actor -> GPU actor, unverified path")  # fmt: skip
+                f"tensorwire GPU ({rdt} placement)": _Plan(
+                    functools.partial(_hand_over, tw_src, tw_dst, "value_ref"), tw_src, [tw_dst], False
+                ),
+                f"Ray RDT ({rdt})": _Plan(
+                    functools.partial(_hand_over, ray_src, ray_dst, method_name), ray_src, [ray_dst], True
+                ),
+            }
+            rows += _measure(
+                f"p2p-actors-gpu-{rdt}", plans, nbytes, options, reason="GPU actor -> GPU actor, unverified path"
+            )
         for actor in (tw_src, tw_dst, ray_src, ray_dst):
             ray_paths.kill(actor)
     return rows
@@ -296,13 +324,25 @@ def _one_to_n(options: Any, progress: Any) -> list[Any]:
                 "tensorwire WeightSync": _Plan(lambda s=sync: _ok(s.push()), source, receivers, False),
                 "Ray object store (put once, N gets)": _Plan(store, source, receivers, True),
                 "torch.distributed gloo broadcast": _Plan(
-                    lambda: _gather([a.broadcast_all.remote("tw-bench") for a in everyone]), source, receivers, True),
-            }  # fmt: skip
+                    lambda: _gather([a.broadcast_all.remote("tw-bench") for a in everyone]), source, receivers, True
+                ),
+            }
             for method, result in _interleaved(plans, nbytes, tensors, options).items():
                 baseline = plans[method].baseline
-                rows.append(make_row("one-to-n", method, result, baseline=baseline, nbytes=nbytes, tensors=tensors,
-                                     peers=n, operation="one_to_n", transport="" if baseline else "auto",
-                                     reason=f"1 -> {n} actors, into their tensors"))  # fmt: skip
+                rows.append(
+                    make_row(
+                        "one-to-n",
+                        method,
+                        result,
+                        baseline=baseline,
+                        nbytes=nbytes,
+                        tensors=tensors,
+                        peers=n,
+                        operation="one_to_n",
+                        transport="" if baseline else "auto",
+                        reason=f"1 -> {n} actors, into their tensors",
+                    )
+                )
                 progress.step(f"one-to-n {method} {nbytes}")
             sync.close()
     finally:

@@ -48,6 +48,8 @@ Run: ``python -m tensorwire.bench.bare_nixl`` (about a minute here; ``--quick``:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
 import statistics
 import sys
@@ -57,6 +59,7 @@ from typing import Any
 import torch
 
 from tensorwire.peers import Peer
+from tensorwire.transport.config import ucxx_settings_hidden
 
 MIB = 1 << 20
 SIZES = (4096, 1 * MIB, 64 * MIB, 256 * MIB)
@@ -66,14 +69,13 @@ _state: dict[str, Any] = {}
 
 
 def nixl_api() -> Any:
-    """NIXL's ``_api`` module from the installed wheel (``nixl_engine.nixl_api``); ``ImportError`` names the install."""
-    from tensorwire.errors import TransportUnavailableError
-    from tensorwire.transport.backends.nixl.engine import nixl_api as engine_api
-
-    try:
-        return engine_api()
-    except TransportUnavailableError as e:
-        raise ImportError(str(e)) from None
+    """NIXL's ``_api`` module from the installed wheel (``nixl``, else ``nixl_cu12``, else
+    ``nixl_cu13``); ``ImportError`` names the install."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # else NIXL prints INFO lines to stdout
+    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        with contextlib.suppress(ImportError):
+            return importlib.import_module(name)
+    raise ImportError("NIXL is not installed: pip install 'tensorwire[nixl]' (or nixl-cu12)")
 
 
 def skipped() -> bool:
@@ -89,27 +91,31 @@ def skipped() -> bool:
 # ---------------------------------------------------------------- run inside the workers
 
 
-def _make_agent(api: Any, name: str) -> Any:
+def make_agent(name: str) -> Any:
     """One agent, UCX backend, its progress thread pausing ``BARE_NIXL_PROGRESS_US`` between
     polls (default 1000, the pause tensorwire's nixl transport sets; 0 is NIXL's default, a
     spin). The spin keeps a core busy in each process for as long as it lives (measured: 2.0
     CPU-s in 2 s idle, 0.07 with a pause): on two cores the two bare processes would slow
-    every method measured beside them, tensorwire's rounds included."""
+    every method measured beside them, tensorwire's rounds included. The UCX settings that
+    importing ucxx writes are hidden meanwhile, as tensorwire hides them from its own agent
+    (``UCX_RNDV_THRESH=8192`` made a 1 MiB READ 9x slower)."""
+    api = nixl_api()
     pause_us = int(os.environ.get("BARE_NIXL_PROGRESS_US", "1000"))
     bind, make = api.nixlBind, api.nixlBind.nixlAgent  # called with the config the API built
-    bind.nixlAgent = lambda agent_name, config: (setattr(config, "pthrDelay", pause_us), make(agent_name, config))[1]
-    try:
-        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
-    finally:
-        bind.nixlAgent = make
+    with ucxx_settings_hidden():
+        bind.nixlAgent = lambda agent_name, config: (setattr(config, "pthrDelay", pause_us), make(agent_name, config))[
+            1
+        ]
+        try:
+            return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        finally:
+            bind.nixlAgent = make
 
 
 def start(role: str) -> bytes:
     """Make this process's agent (once); returns its full metadata."""
     if "agent" not in _state:
-        api = nixl_api()
-        name = f"bare-{role}-{os.getpid()}"
-        _state["agent"] = _make_agent(api, name)
+        _state["agent"] = make_agent(f"bare-{role}-{os.getpid()}")
         _state["regs"] = {}  # key -> (tensors, reg descs)
     return _state["agent"].get_agent_metadata()
 
@@ -146,8 +152,14 @@ def register(key: str, nbytes: int, tensors: int, fill: int, partial: bool) -> d
     meta = agent.get_partial_agent_metadata(regs, False) if partial else b""
     t3 = time.perf_counter()
     _state["regs"][key] = (bufs, regs)
-    return {"rows": _rows(bufs), "metadata": meta, "t0": t0, "alloc_s": t1 - t0, "register_s": t2 - t1,
-            "metadata_s": t3 - t2}  # fmt: skip
+    return {
+        "rows": _rows(bufs),
+        "metadata": meta,
+        "t0": t0,
+        "alloc_s": t1 - t0,
+        "register_s": t2 - t1,
+        "metadata_s": t3 - t2,
+    }
 
 
 def unregister(key: str) -> float:
@@ -288,8 +300,13 @@ class BareNixl:
         seconds for one new buffer of ``nbytes`` (one sample)."""
         src = self._call(self.producer, "register", "cost", nbytes, tensors, 1, True)
         dereg = self._call(self.producer, "unregister", "cost")
-        return {"alloc_s": src["alloc_s"], "register_s": src["register_s"], "metadata_s": src["metadata_s"],
-                "deregister_s": dereg, "metadata_nbytes": len(src["metadata"])}  # fmt: skip
+        return {
+            "alloc_s": src["alloc_s"],
+            "register_s": src["register_s"],
+            "metadata_s": src["metadata_s"],
+            "deregister_s": dereg,
+            "metadata_nbytes": len(src["metadata"]),
+        }
 
     def close(self) -> None:
         """Nothing is left registered between calls; the agents go when the workers exit."""
@@ -316,13 +333,18 @@ def main(argv: list[str] | None = None) -> int:
             same = bare.same_object(nbytes, repeats)
             reused = bare.same_object(nbytes, repeats, reuse=True)
             new = bare.new_object(nbytes, max(2, repeats // 4))
-            cases = ((f"same object {nbytes} B", same), (f"same object, handle reused {nbytes} B", reused),
-                     (f"new object {nbytes} B", new["times"]))  # fmt: skip
+            cases = (
+                (f"same object {nbytes} B", same),
+                (f"same object, handle reused {nbytes} B", reused),
+                (f"new object {nbytes} B", new["times"]),
+            )
             for label, times in cases:
                 print(f"{label:<40} {_fmt(statistics.median(times)):>12} {_fmt(min(times)):>12}")
             cost = bare.registration_cost(nbytes)
-            print(f"{'  register / deregister ' + str(nbytes) + ' B':<40} {_fmt(cost['register_s']):>12} "
-                  f"{_fmt(cost['deregister_s']):>12}")  # fmt: skip
+            print(
+                f"{'  register / deregister ' + str(nbytes) + ' B':<40} {_fmt(cost['register_s']):>12} "
+                f"{_fmt(cost['deregister_s']):>12}"
+            )
         dict_bytes = 4 * MIB if args.quick else 64 * MIB
         for mode in ("same", "new"):
             if mode == "same":

@@ -1,7 +1,9 @@
-"""tensorwire ``nixl`` against a bare NIXL program between the same two processes, interleaved.
+"""tensorwire's transports against a bare NIXL program between the same two processes, interleaved.
 
 Two spawned processes (producer, consumer) run, batch by batch in turn, the bare NIXL rounds
-of :mod:`tensorwire.bench.bare_nixl` and tensorwire rounds over ``nixl``, ``ucx`` and ``host``:
+of :mod:`tensorwire.bench.bare_nixl` and tensorwire rounds over every usable transport that
+reads host memory across nodes (:func:`compared`: chosen by capabilities, one-sided first;
+here nixl, ucx, gloo and host):
 
 * **same object**: tensorwire ``tw.get(ref, out=buffer, transport=...)`` of one object again
   and again (the reference in hand); bare: ``initialize_xfer`` + ``transfer`` + poll + release
@@ -10,7 +12,8 @@ of :mod:`tensorwire.bench.bare_nixl` and tensorwire rounds over ``nixl``, ``ucx`
   producer allocates and fills a new tensor and puts it (tensorwire exports when the
   reference is pickled: registration included), the reference crosses to the consumer through
   the driver, which fetches into its buffer; bare: allocate, fill, register, partial metadata,
-  the same trip through the driver, load, READ.
+  the same trip through the driver, load, READ. tensorwire's new-object rounds run the
+  one-sided transports that export a handle per object (nixl), whose cost is what they add.
 * a 1,024-tensor state dict of 64 MiB, same object and new object.
 
 Values never go inline (``TENSORWIRE_INLINE_NBYTES=0``), so 4 KiB rows measure the
@@ -33,9 +36,11 @@ from typing import Any
 import torch
 
 import tensorwire as tw
-from tensorwire.bench.bare_nixl import BareNixl, skipped
+from tensorwire.bench.bare_nixl import BareNixl, nixl_api, skipped
 from tensorwire.bench.schema import machine
 from tensorwire.peers import Peer
+from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.transport.costs import MemoryKind
 
 MIB = 1 << 20
 SIZES = (4096, MIB, 64 * MIB, 256 * MIB)
@@ -108,13 +113,22 @@ def get_new(ref: tw.Ref, tensors: int, transport: str, fill: int) -> float:
     return end
 
 
-def registration_cost(nbytes: int) -> dict:
-    """Producer: the nixl transport's ``export`` of an object on a new tensor (its first
-    registration) and of a second object on the same tensor (the cached registration)."""
-    from tensorwire.runtime.ray_env import agent as runtime_agent
+def compared(agent: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """tensorwire's transports this comparison runs, by their capabilities: every usable one
+    that reads host memory across nodes (one-sided first; not those whose handle carries the
+    bytes), and of those the one-sided ones that export a handle per object (new objects)."""
+    caps, usable = agent.capabilities(), agent.transports()
+    serving = [n for n in usable if caps[n].cross_node and MemoryKind.HOST in caps[n].memory]
+    serving = sorted((n for n in serving if not caps[n].carries_value), key=lambda n: not caps[n].one_sided)
+    exporting = [n for n in serving if caps[n].one_sided and caps[n].needs_export and not caps[n].export_per_consumer]
+    return tuple(serving), tuple(exporting)
 
+
+def registration_cost(nbytes: int, name: str) -> dict:
+    """Producer: transport ``name``'s ``export`` of an object on a new tensor (its first
+    registration) and of a second object on the same tensor (the cached registration)."""
     agent = runtime_agent()
-    transport = agent.transports()["nixl"]
+    transport = agent.transports()[name]
     value = torch.full((nbytes,), 1, dtype=torch.uint8)
     result = {}
     for label in ("first", "cached"):
@@ -175,11 +189,13 @@ def run(  # noqa: PLR0917 - the benchmark's knobs
     rounds: int,
     other_node: bool,
     dict_nbytes: int,
-    transports: tuple[str, ...] = ("nixl", "ucx", "host"),
+    transports: tuple[str, ...],
+    exporting: tuple[str, ...],
     costs_too: bool = True,
 ) -> dict:
     """{case: {method: median ms}}, the methods' batches interleaved ``rounds`` times (``transports``: the
-    tensorwire ones, nixl first; ``costs_too``: also time first and cached registrations)."""
+    tensorwire ones; ``exporting``: those that also run new-object rounds; ``costs_too``: also time their
+    first and cached registrations)."""
     env = {"OMP_NUM_THREADS": "1", "TENSORWIRE_INLINE_NBYTES": "0"}  # 4 KiB over nixl too, not inline
     results: dict[str, dict[str, list[float]]] = {}
     cases_of: dict[str, tuple[int, int]] = {}  # case -> (bytes, tensors)
@@ -201,9 +217,14 @@ def run(  # noqa: PLR0917 - the benchmark's knobs
                     same.setdefault(f"tensorwire {transport}", []).extend(c.same(transport, nbytes, tensors, repeats))
                 new_repeats = max(2, repeats // 4)
                 new.setdefault("bare NIXL", []).extend(c.bare.new_object(nbytes, new_repeats, tensors=tensors)["times"])
-                new.setdefault("tensorwire nixl", []).extend(c.new("nixl", nbytes, tensors, new_repeats))
+                for transport in exporting:
+                    new.setdefault(f"tensorwire {transport}", []).extend(c.new(transport, nbytes, tensors, new_repeats))
         if costs_too:
-            costs = {n: c.producer.call(f"{_M}:registration_cost", n, timeout_s=300) for n in (MIB, 64 * MIB)}
+            costs = {
+                (name, n): c.producer.call(f"{_M}:registration_cost", n, name, timeout_s=300)
+                for name in exporting
+                for n in (MIB, 64 * MIB)
+            }
             bare_costs = {n: c.bare.registration_cost(n) for n in (MIB, 64 * MIB)}
     finally:
         if c is not None:
@@ -218,29 +239,34 @@ def bench_rows(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     in two interleaved batches: per batch ``--iters`` same-object rounds per size (4 for 1,024 tensors), a quarter
     as many new-object rounds (at least 2); each method's first fetch is its warm-up. Every round is checked (a
     wrong one fails the run). A row per case, method and placement; the transports usable here only."""
-    from tensorwire.bench.runner import make_row
-    from tensorwire.runtime.ray_env import agent as runtime_agent
+    from tensorwire.bench.schema import make_row
 
-    usable = runtime_agent().transports()
-    transports = tuple(t for t in ("nixl", "ucx", "host") if t in usable)
-    if "nixl" not in transports or min(options.sizes) < 1024:
-        unusable = runtime_agent().unusable_transports().get("nixl", "not registered")
-        why = f"nixl is not usable here: {unusable}" if "nixl" not in transports else "it needs sizes of 1 KiB or more"
+    agent = runtime_agent()
+    transports, exporting = compared(agent)
+    why = _why_not_run(agent, exporting) or ("it needs sizes of 1 KiB or more" if min(options.sizes) < 1024 else "")
+    if why:
         notes.append(f"nixl-compare: skipped ({why})")
         progress.total -= 2
         return []
     sizes, rows = tuple(options.sizes), []
     for where, other_node in (("same node", False), ("other node, UCX tcp", True)):
         repeats = dict.fromkeys(sizes, max(1, options.iterations))
-        out = run(sizes, repeats, 2, other_node, sizes[-1], transports=transports, costs_too=False)
+        out = run(sizes, repeats, 2, other_node, sizes[-1], transports=transports, exporting=exporting, costs_too=False)
         for case, methods in out["times"].items():
             (nbytes, tensors), mode = out["cases"][case], case.split(",")[0]
             made = {}
             for method, times in methods.items():
-                transport = method.split()[1] if method.startswith("tensorwire") else "nixl"
-                made[method] = make_row("nixl-compare", f"{method}, {mode} ({where})", {"times": times, "wrong": 0},
-                                        baseline=method.startswith("bare"), nbytes=nbytes, tensors=tensors,
-                                        transport=transport, reason=_REASONS[mode])  # fmt: skip
+                transport = method.split()[1] if method.startswith("tensorwire") else "nixl"  # bare: the library
+                made[method] = make_row(
+                    "nixl-compare",
+                    f"{method}, {mode} ({where})",
+                    {"times": times, "wrong": 0},
+                    baseline=method.startswith("bare"),
+                    nbytes=nbytes,
+                    tensors=tensors,
+                    transport=transport,
+                    reason=_REASONS[mode],
+                )
             best = min(r.p50_us for r in made.values() if r.baseline)  # this case's bare rows only
             for row in made.values():
                 if not row.baseline:
@@ -248,6 +274,22 @@ def bench_rows(options: Any, progress: Any, notes: list[str]) -> list[Any]:
             rows += made.values()
         progress.step(f"nixl-compare ({where})")
     return rows
+
+
+def _why_not_run(agent: Any, exporting: tuple[str, ...]) -> str:
+    """Why the comparison cannot run here ("" when it can): bare NIXL is not installed, or no
+    one-sided transport that exports per object reads across nodes here."""
+    try:
+        nixl_api()
+    except ImportError as e:
+        return f"bare NIXL: {e}"
+    if exporting:
+        return ""
+    caps = agent.capabilities()
+    candidates = [n for n, c in caps.items() if c.one_sided and c.cross_node and c.needs_export]
+    unusable = agent.unusable_transports()
+    reasons = "; ".join(f"{n}: {unusable.get(n, 'usable')}" for n in candidates) or "none registered"
+    return f"no one-sided transport that exports per object reads across nodes here ({reasons})"
 
 
 _REASONS = {
@@ -265,20 +307,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = (4096, MIB) if args.quick else SIZES
     repeats = {n: 3 for n in sizes} if args.quick else REPEATS
-    out = run(sizes, repeats, 1 if args.quick else 2, args.other_node, 4 * MIB if args.quick else 64 * MIB)
+    transports, exporting = compared(runtime_agent())
+    dict_nbytes = 4 * MIB if args.quick else 64 * MIB
+    out = run(sizes, repeats, 1 if args.quick else 2, args.other_node, dict_nbytes, transports, exporting)
     facts = machine()
-    print(f"median ms; two processes; {facts['cores']} cores, {facts['cpu']}; "
-          f"{'other node, UCX tcp' if args.other_node else 'same node'}")  # fmt: skip
+    print(
+        f"median ms; two processes; {facts['cores']} cores, {facts['cpu']}; "
+        f"{'other node, UCX tcp' if args.other_node else 'same node'}"
+    )
     for case, methods in out["table"].items():
         bare = methods["bare NIXL"]
-        cells = ", ".join(f"{m} {v:.3f}" + (f" ({bare / v:.2f}x bare)" if m.startswith("tensorwire") else "")
-                          for m, v in methods.items())  # fmt: skip
+        cells = ", ".join(
+            f"{m} {v:.3f}" + (f" ({bare / v:.2f}x bare)" if m.startswith("tensorwire") else "")
+            for m, v in methods.items()
+        )
         print(f"{case}: {cells}")
-    for n, cost in out["costs"].items():
+    for (name, n), cost in out["costs"].items():
         bare = out["bare_costs"][n]
-        print(f"nixl export of {n} B: first {cost['first'] * 1e3:.3f} ms, cached {cost['cached'] * 1e3:.3f} ms; "
-              f"bare register {bare['register_s'] * 1e3:.3f} ms, "
-              f"deregister {bare['deregister_s'] * 1e3:.3f} ms")  # fmt: skip
+        print(
+            f"{name} export of {n} B: first {cost['first'] * 1e3:.3f} ms, cached {cost['cached'] * 1e3:.3f} ms; "
+            f"bare register {bare['register_s'] * 1e3:.3f} ms, "
+            f"deregister {bare['deregister_s'] * 1e3:.3f} ms"
+        )
     return 0
 
 

@@ -179,8 +179,9 @@ def gloo_join(host: str, port: int, rank: int) -> int:
     """Rank 0 (the producer) makes the store and returns its port; rank 1 joins it."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=False)  # fmt: skip
+    store = dist.TCPStore(
+        host, port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+    )
     _state["gloo_store"] = store
     if rank == 0:
         threading.Thread(target=_gloo_group, args=(0,), daemon=True).start()
@@ -242,9 +243,9 @@ def gloo_stop() -> None:
 def nixl_start(role: str) -> None:
     """A NIXL agent of this benchmark's own, besides tensorwire's: UCX backend, its progress
     thread pausing as tensorwire's does (NIXL's default spin would slow both sides here)."""
-    from tensorwire.transport.backends.nixl.engine import new_agent
+    from tensorwire.bench.bare_nixl import make_agent
 
-    _state["nixl"] = new_agent(f"bench-{role}-{time.monotonic_ns()}", ["UCX"])
+    _state["nixl"] = make_agent(f"bench-{role}-{time.monotonic_ns()}")
 
 
 def nixl_offer(nbytes: int) -> tuple[bytes, list[tuple[int, int, int]]]:
@@ -330,8 +331,24 @@ def memcpy(nbytes: int, tensors: int, iterations: int, warmups: int, check: bool
     return {"times": times, "wrong": wrong if check else -1}
 
 
-_OPS = {f.__name__: f for f in (hold, tw_fetch, ucx_start, ucx_connect, ucx_fetch, ucx_stop, gloo_join, gloo_fetch,
-                                gloo_stop, nixl_start, nixl_fetch, nixl_stop, memcpy)}  # fmt: skip
+_OPS = {
+    f.__name__: f
+    for f in (
+        hold,
+        tw_fetch,
+        ucx_start,
+        ucx_connect,
+        ucx_fetch,
+        ucx_stop,
+        gloo_join,
+        gloo_fetch,
+        gloo_stop,
+        nixl_start,
+        nixl_fetch,
+        nixl_stop,
+        memcpy,
+    )
+}
 
 
 def dispatch(operation: str, *args: Any) -> Any:

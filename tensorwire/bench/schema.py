@@ -21,6 +21,8 @@ import socket
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from tensorwire.bench.stats import bus_bandwidth, gbps, summarize
+
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "Fit", "Row", "document", "machine", "validate", "versions"]
 
 SCHEMA = "tensorwire-bench"
@@ -77,8 +79,14 @@ def machine() -> dict[str, Any]:
             gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception:  # noqa: BLE001 - a broken CUDA setup reports no GPU
         gpus = []
-    return {"hostname": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory,
-            "gpus": gpus, "os": platform.platform()}  # fmt: skip
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_bytes": memory,
+        "gpus": gpus,
+        "os": platform.platform(),
+    }
 
 
 def versions() -> dict[str, str]:
@@ -143,3 +151,39 @@ def validate(doc: Any) -> list[str]:
         if not isinstance(row["baseline"], bool):
             problems.append(f"row {index}: baseline is not a boolean")
     return problems
+
+
+def make_row(
+    scenario: str,
+    method: str,
+    result: dict,
+    *,
+    baseline: bool,
+    nbytes: int,
+    tensors: int = 1,
+    peers: int = 1,
+    transport: str = "",
+    reason: str = "",
+    operation: str = "p2p",
+    rate: float | None = None,
+) -> Row:
+    """A row from a timed loop's result (``times`` in seconds, ``wrong``)."""
+    summary = summarize(result["times"])
+    algbw = rate if rate is not None else gbps(nbytes, summary.p50)
+    return Row(
+        scenario=scenario,
+        method=method,
+        baseline=baseline,
+        transport=transport,
+        reason=reason,
+        nbytes=nbytes,
+        tensors=tensors,
+        peers=peers,
+        iterations=summary.count,
+        p50_us=summary.p50 * 1e6,
+        p99_us=summary.p99 * 1e6,
+        mean_us=summary.mean * 1e6,
+        gbps=algbw,
+        busbw_gbps=bus_bandwidth(operation, algbw, peers + 1),
+        wrong=int(result.get("wrong", -1)),
+    )

@@ -43,8 +43,16 @@ def _gather(refs: list[Any]) -> list[Any]:
 
 HIDDEN, FFN = 1024, 2816
 TRAINERS, REPLICAS, TP = 2, 2, 2
-_PARTS = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, HIDDEN), "v": (HIDDEN, HIDDEN), "o": (HIDDEN, HIDDEN),
-          "gate": (FFN, HIDDEN), "up": (FFN, HIDDEN), "down": (HIDDEN, FFN), "norm": (HIDDEN,)}  # fmt: skip
+_PARTS = {
+    "q": (HIDDEN, HIDDEN),
+    "k": (HIDDEN, HIDDEN),
+    "v": (HIDDEN, HIDDEN),
+    "o": (HIDDEN, HIDDEN),
+    "gate": (FFN, HIDDEN),
+    "up": (FFN, HIDDEN),
+    "down": (HIDDEN, FFN),
+    "norm": (HIDDEN,),
+}
 
 
 def shapes(nbytes: int, hidden: int = HIDDEN) -> dict[str, tuple[int, ...]]:
@@ -68,8 +76,13 @@ def receiver_entries(coord: tuple[int, int], model: dict[str, tuple[int, ...]]) 
         for fused, parts in (("qkv", "qkv"), ("gate_up", ("gate", "up"))):
             pieces = [placement_box(model[f"{layer}.{p}"], (Replicate(), Shard(0)), mesh, coord).sizes for p in parts]
             shape = (sum(model[f"{layer}.{p}"][0] for p in parts), model[f"{layer}.{parts[0]}"][1])
-            entries[f"layers.{layer}.{fused}"] = (shape, (Replicate(), Shard(0)), mesh, coord,
-                                                  (sum(p[0] for p in pieces), pieces[0][1]))  # fmt: skip
+            entries[f"layers.{layer}.{fused}"] = (
+                shape,
+                (Replicate(), Shard(0)),
+                mesh,
+                coord,
+                (sum(p[0] for p in pieces), pieces[0][1]),
+            )
         for part in ("o", "down"):
             entries[f"layers.{layer}.{part}_proj"] = (
                 model[f"{layer}.{part}"],
@@ -87,8 +100,11 @@ def mapping(model: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], dict[str
     rename = {}
     fuse = {}
     for layer in layers:
-        rename |= {f"{layer}.o": f"layers.{layer}.o_proj", f"{layer}.down": f"layers.{layer}.down_proj",
-                   f"{layer}.norm": f"layers.{layer}.norm"}  # fmt: skip
+        rename |= {
+            f"{layer}.o": f"layers.{layer}.o_proj",
+            f"{layer}.down": f"layers.{layer}.down_proj",
+            f"{layer}.norm": f"layers.{layer}.norm",
+        }
         fuse[f"layers.{layer}.qkv"] = Fuse((f"{layer}.q", f"{layer}.k", f"{layer}.v"))
         fuse[f"layers.{layer}.gate_up"] = Fuse((f"{layer}.gate", f"{layer}.up"))
     return rename, fuse
@@ -163,14 +179,16 @@ class Bench:
         self.trainers = [ShardedRank.remote(trainer_entries(r, self.model), seed=r + 1) for r in range(TRAINERS)]
         self.receivers = [ShardedRank.remote(receiver_entries(c, self.model), seed=None) for c in self.coords]
         rename, fuse = mapping(self.model)
-        self.sync = tw.WeightSync(self.trainers, self.receivers, rename=rename, fuse=fuse, bucket_bytes=bucket_bytes,
-                                  progress=False)  # fmt: skip
+        self.sync = tw.WeightSync(
+            self.trainers, self.receivers, rename=rename, fuse=fuse, bucket_bytes=bucket_bytes, progress=False
+        )
         tw.collective.create_group(self.trainers, backend="gloo", name="tw-bench-gather")
         tw.collective.create_group([self.trainers[0], *self.receivers], backend="gloo", name="tw-bench-push")
         self._object_cuts = self._cuts(self.sync.plan)
         layouts = self.sync.receiver_layouts
-        whole = plan_sync([self._whole_layout()], [layouts[i] for i in range(len(self.receivers))],
-                          self.sync.plan.mapping)  # fmt: skip
+        whole = plan_sync(
+            [self._whole_layout()], [layouts[i] for i in range(len(self.receivers))], self.sync.plan.mapping
+        )
         self._whole_cuts = self._cuts(whole)
         self.expected: list[int] = []
 
@@ -181,8 +199,10 @@ class Bench:
 
     @staticmethod
     def _cuts(plan: Any) -> dict[int, list[tuple[Any, ...]]]:
-        return {r: [(t.trainer, t.source, t.src.slices(), t.target, t.dst.slices()) for t in ts]
-                for r, ts in plan.receivers.items()}  # fmt: skip
+        return {
+            r: [(t.trainer, t.source, t.src.slices(), t.target, t.dst.slices()) for t in ts]
+            for r, ts in plan.receivers.items()
+        }
 
     def pair_nbytes(self) -> dict[str, dict[tuple[int, int], int]]:
         """Bytes each (trainer, receiver) pair moves per round, per method (the gather's
@@ -208,15 +228,20 @@ class Bench:
                 raise RuntimeError(f"weight sync failed: {report.failed}")
 
         def gather() -> None:
-            _gather([t.gather_push.remote(order, i) for i, t in enumerate(self.trainers)]
-                    + [r.gather_push.remote(order, None) for r in self.receivers])  # fmt: skip
+            _gather(
+                [t.gather_push.remote(order, i) for i, t in enumerate(self.trainers)]
+                + [r.gather_push.remote(order, None) for r in self.receivers]
+            )
 
         def store() -> None:
             boxes = _gather([t.put_shard.remote() for t in self.trainers])
             _gather([r.load_shards.remote(boxes) for r in self.receivers])
 
-        return {"tensorwire WeightSync": (push, False), "gather on trainer 0, push whole": (gather, True),
-                "Ray object store": (store, True)}  # fmt: skip
+        return {
+            "tensorwire WeightSync": (push, False),
+            "gather on trainer 0, push whole": (gather, True),
+            "Ray object store": (store, True),
+        }
 
     def prepare(self, method: str) -> None:
         cuts = self._whole_cuts if method.startswith("gather") else self._object_cuts
@@ -258,7 +283,7 @@ def measure(bench: Bench, rounds: int, log: Callable[[str], None] = lambda _s: N
 
 def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     """``tensorwire bench`` scenario ``sharded-sync``: a model of ``--max-bytes``."""
-    from tensorwire.bench.runner import make_row
+    from tensorwire.bench.schema import make_row
 
     started = not calls.is_initialized()
     # a local instance of its own (its own CPU count), even when another cluster runs on this machine
@@ -271,11 +296,20 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
             samples = measure(bench, max(1, min(options.iterations, 5)))
             for method, times in samples.items():
                 result = {"times": times, "wrong": 0}
-                rows.append(make_row("sharded-sync", method, result, baseline=method != "tensorwire WeightSync",
-                                     nbytes=plan_bytes, tensors=len(bench.model), peers=len(bench.receivers),
-                                     rate=plan_bytes / statistics.median(times) / 1e9,
-                                     transport="" if method != "tensorwire WeightSync" else "auto",
-                                     reason="2 trainer halves -> 2 replicas x TP 2"))  # fmt: skip
+                rows.append(
+                    make_row(
+                        "sharded-sync",
+                        method,
+                        result,
+                        baseline=method != "tensorwire WeightSync",
+                        nbytes=plan_bytes,
+                        tensors=len(bench.model),
+                        peers=len(bench.receivers),
+                        rate=plan_bytes / statistics.median(times) / 1e9,
+                        transport="" if method != "tensorwire WeightSync" else "auto",
+                        reason="2 trainer halves -> 2 replicas x TP 2",
+                    )
+                )
                 progress.step(f"sharded-sync {method}")
             notes.append(f"sharded-sync: {len(bench.model)} tensors; GB/s counts the plan's bytes ({plan_bytes} B)")
         finally:

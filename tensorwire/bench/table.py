@@ -43,20 +43,49 @@ def _fit_line(f: Fit) -> str:
 
 def format_table(rows: list[Row], fits: list[Fit]) -> str:
     """The result table (with a units row) and the latency/bandwidth fits, as text."""
-    header = ("scenario", "method", "transport: reason", "size", "tensors", "peers", "p50", "p99", "algbw",
-              "busbw", "#wrong", "vs best alt", "vs memcpy")  # fmt: skip
+    header = (
+        "scenario",
+        "method",
+        "transport: reason",
+        "size",
+        "tensors",
+        "peers",
+        "p50",
+        "p99",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "vs best alt",
+        "vs memcpy",
+    )
     units = ("", "", "", "bytes", "", "", "us", "us", "GB/s", "GB/s", "", "x (>1 faster)", "x of bound")
     lines = [header, units]
     for r in rows:
         reason = f"{r.transport}: {r.reason}" if r.transport else r.reason
-        lines.append((r.scenario, r.method, _shorten(reason), _size(r.nbytes), str(r.tensors), str(r.peers),
-                      f"{r.p50_us:.1f}", f"{r.p99_us:.1f}", _rate(r.gbps), _rate(r.busbw_gbps),
-                      "-" if r.wrong < 0 else str(r.wrong),
-                      "" if r.vs_best_baseline is None else f"{r.vs_best_baseline:.2f}",
-                      "" if r.vs_memcpy is None else f"{r.vs_memcpy:.2f}"))  # fmt: skip
+        lines.append(
+            (
+                r.scenario,
+                r.method,
+                _shorten(reason),
+                _size(r.nbytes),
+                str(r.tensors),
+                str(r.peers),
+                f"{r.p50_us:.1f}",
+                f"{r.p99_us:.1f}",
+                _rate(r.gbps),
+                _rate(r.busbw_gbps),
+                "-" if r.wrong < 0 else str(r.wrong),
+                "" if r.vs_best_baseline is None else f"{r.vs_best_baseline:.2f}",
+                "" if r.vs_memcpy is None else f"{r.vs_memcpy:.2f}",
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(cell.rjust(w) if i >= 3 else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths,
-            strict=True))) for line in lines]  # fmt: skip
+    text = [
+        "  ".join(
+            cell.rjust(w) if i >= 3 else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in lines
+    ]
     if fits:
         text += ["", "fixed cost per transfer and asymptotic bandwidth (least-squares fit over sizes):"]
         text += [_fit_line(f) for f in fits]

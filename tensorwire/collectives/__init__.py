@@ -8,7 +8,8 @@ Weight sync: ``tw.WeightSync(trainers, receivers, ...)``; pieces described with 
 """
 
 from tensorwire.collectives.api import GroupInfo, create_group, destroy_group
-from tensorwire.collectives.group import BACKENDS, Backend, Group, ReduceOp, get_group, group_names
+from tensorwire.collectives.group import BACKENDS, Backend, Group, ReduceOp
+from tensorwire.collectives.groups import get_group, group_names
 from tensorwire.collectives.layout import Box, HeldParam, Replicate, Shard, Sharded
 from tensorwire.collectives.plan import Fuse, Mapping, Plan, plan_sync
 from tensorwire.collectives.sync_hooks import weight_fence

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tensorwire.collectives import channel, group
+from tensorwire.collectives import channel, groups
 from tensorwire.collectives.group import BACKENDS, Backend
 from tensorwire.runtime import calls
 from tensorwire.runtime.actor import ActorHandle
@@ -103,7 +103,7 @@ def create_group(
         chosen = _auto_backend(descriptions) if backend == "auto" else Backend(backend)
         channel_name = f"tw-group-{name}-{secrets.token_hex(6)}"  # messages of a re-made group never mix
         refs = [
-            call_hook(actor, group.join, name, channel_name, rank, descriptions, chosen, timeout_s)
+            call_hook(actor, groups.join, name, channel_name, rank, descriptions, chosen, timeout_s)
             for rank, actor in enumerate(actors)
         ]
         calls.gather(refs, timeout_s=timeout_s + 5.0)
@@ -120,7 +120,7 @@ def create_group(
 
 def _leave_all(name: str, actors: Sequence[ActorHandle], *, timeout_s: float) -> list[int]:
     """Ask every actor to leave ``name``; the ranks that could not be asked (dead)."""
-    refs = [call_hook(actor, group.leave, name) for actor in actors]
+    refs = [call_hook(actor, groups.leave, name) for actor in actors]
     unreachable = []
     for rank, ref in enumerate(refs):
         outcome = calls.settle(ref, timeout_s=timeout_s)

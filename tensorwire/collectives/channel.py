@@ -29,10 +29,9 @@ from tensorwire.runtime.placement import target_device
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.agent.wire import decode_announcement, encode_announcement, peer_from_bytes, peer_to_bytes
 from tensorwire.transport.contract import ObjectDescriptor, PeerInfo
+from tensorwire.transport.waiting import wait_until
 
 __all__ = ["Channel", "Fetched", "Member", "describe_self", "member_from"]
-
-_SLICE_S = 0.25
 
 
 class Fetched(NamedTuple):
@@ -105,18 +104,23 @@ class Channel:
             PeerLostError: Member ``rank`` exited before sending.
             TransferTimeoutError: Nothing came before the deadline.
         """
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        while True:
-            left = deadline - time.monotonic()
+
+        def take(slice_s: float) -> bytes | None:
             try:
-                return self._agent.rendezvous_take(self.name, f"{rank}:{key}", timeout_s=max(0.0, min(_SLICE_S, left)))
+                return self._agent.rendezvous_take(self.name, f"{rank}:{key}", timeout_s=slice_s)
             except TransferTimeoutError:
-                if not self.alive(rank):
-                    raise PeerLostError(f"group {self.name}: member {rank} exited (waiting for {key!r})") from None
-                if time.monotonic() >= deadline:
-                    raise TransferTimeoutError(
-                        f"group {self.name}: member {rank} sent no {key!r} within the timeout"
-                    ) from None
+                return None
+
+        def check() -> None:
+            if not self.alive(rank):
+                raise PeerLostError(f"group {self.name}: member {rank} exited (waiting for {key!r})")
+
+        return wait_until(
+            take,
+            deadline=time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s),
+            what=f"group {self.name}: {key!r} from member {rank}",
+            check=check,
+        )
 
     def alive(self, rank: int) -> bool:
         """False once member ``rank``'s process is known to have exited."""
@@ -125,15 +129,15 @@ class Channel:
     def publish(self, tensors: Sequence[torch.Tensor], *, export: bool = True) -> tuple[ObjectDescriptor, bytes, int]:
         """Register ``tensors`` (contiguous) as an object of this member, to be read by others.
 
-        Returns its descriptor, the announcement to send, and the bytes copied for one-sided
-        exports. ``export``: make one-sided exports now (a shared-memory segment, for readers
-        on this node); without it readers that need one ask for it. Free with :meth:`unpublish`.
+        Returns its descriptor, the announcement to send, and the bytes the one-sided exports
+        hold beyond the tensors (a segment copy). ``export``: make one-sided exports now (a
+        shared-memory segment, for readers on this node); without it readers that need one ask
+        for it. Free with :meth:`unpublish`.
         """
         desc = register_tensors(list(tensors))
         handles = self._agent.export_handles(desc) if export else {}
         desc = self._agent.described_now(desc)  # the connection info the exports published
-        copied = desc.packed_nbytes if "shm" in handles else 0
-        return desc, encode_announcement(desc, handles), copied
+        return desc, encode_announcement(desc, handles), self._agent.export_nbytes(desc)
 
     def exports_across_nodes(self) -> bool:
         """Whether a one-sided transport usable here exports handles that readers on other

@@ -2,11 +2,12 @@
 
 A *stream* is what one server (a trainer, or a receiver relaying to its node) sends the same
 way to one or more readers. For bucket k the server packs the bucket's pieces into slot
-k % 2 of its :class:`~.staging.StagingRing` for the readers on its node (one copy, with the
-dtype conversion on the way), or publishes them as an announced object of its agent for the
-others (ucx/gloo read the tensors, cuda_ipc maps them; it exports for readers on other
-nodes too when a one-sided transport such as nixl serves them there); it packs bucket k+1 while they copy
-bucket k and reuses a slot only after every reader acknowledged it.
+k % 2 of its staging ring for the readers on its node, where a transport offers staging rings
+(``Capabilities.staging_rings``: shm; one copy, with the dtype conversion on the way), or
+publishes them as an announced object of its agent for the others (whichever transport the
+selector picks per pair reads them; it exports for readers on other nodes too when a
+one-sided transport serves them there); it packs bucket k+1 while they copy bucket k and
+reuses a slot only after every reader acknowledged it.
 
 Messages (``<stream prefix>b<k>``): a kind byte (:class:`BucketKind`), a checksum, a payload.
 ``RING``: the bucket is in the sender's staging slot (payload: slot size, segment name);
@@ -31,7 +32,6 @@ import torch
 from tensorwire.collectives.channel import Channel
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.transport.backends.shm.staging import RingReader, StagingRing
 from tensorwire.transport.packing import byte_view, packed_layout
 
 __all__ = ["BucketKind", "Fanout", "checksum", "message", "parse_message", "read_slot", "release", "serving"]
@@ -44,8 +44,8 @@ _MASK = (1 << 64) - 1
 # A bucket's pieces on the sending side: (a view of the sender's tensor, the dtype to send as).
 Piece = tuple[torch.Tensor, torch.dtype]
 
-_rings: dict[tuple[str, int, int], StagingRing] = {}
-_readers: dict[str, RingReader] = {}
+_rings: dict[tuple[str, int, int], Any] = {}  # a staging transport's rings (Transport.staging_ring)
+_readers: dict[str, tuple[str, Any]] = {}  # sync id -> (its transport, a ring reader)
 
 
 class BucketKind(bytes, enum.Enum):
@@ -141,17 +141,24 @@ def read_slot(array: np.ndarray, dst: Sequence[torch.Tensor], dtypes: Sequence[t
     return slow_s
 
 
-def ring_reader(sync_id: str) -> RingReader:
-    return _readers.setdefault(sync_id, RingReader())
+def ring_reader(sync_id: str) -> tuple[str, Any]:
+    """This process's reader of sync ``sync_id``'s rings, and the transport that made it."""
+    found = _readers.get(sync_id)
+    if found is None:
+        staging = runtime_agent().staging()
+        if staging is None:
+            raise TensorwireError("a bucket came in a staging ring, but no transport here offers staging rings")
+        found = _readers[sync_id] = (staging.name, staging.ring_reader())
+    return found
 
 
 def release(sync_id: str) -> None:
     """Drop the staging rings and ring mappings of sync ``sync_id`` in this process."""
     for key in [key for key in _rings if key[0] == sync_id]:
         _rings.pop(key).close()
-    reader = _readers.pop(sync_id, None)
-    if reader is not None:
-        reader.close()
+    found = _readers.pop(sync_id, None)
+    if found is not None:
+        found[1].close()
 
 
 class Fanout:
@@ -180,18 +187,19 @@ class Fanout:
         self._key = (sync_id, channel.rank, stream)
         self._slot_nbytes = slot_nbytes
         me = channel.members[channel.rank].peer
-        use_ring = transport in ("", "shm")
+        self._staging = runtime_agent().staging()  # a transport with same-node staging rings (shm)
+        use_ring = self._staging is not None and transport in ("", self._staging.name)
         self._local = {c for c in children if use_ring and channel.members[c].peer.same_node(me)}
         self.offered = 0  # buckets handed on so far: the children wait for this one next
         self._outstanding: collections.deque[tuple[int, Any, list[int], int]] = collections.deque()
         self._on_done = on_done  # called with k once every child acknowledged bucket k (or none was left)
 
-    def _ring(self) -> StagingRing:
+    def _ring(self) -> Any:
         ring = _rings.get(self._key)
         if ring is None or ring.slot_nbytes < self._slot_nbytes:
             if ring is not None:
                 ring.close()
-            ring = _rings[self._key] = StagingRing(runtime_agent().peer, self._slot_nbytes)
+            ring = _rings[self._key] = self._staging.staging_ring(self._slot_nbytes)
         return ring
 
     def offer(self, k: int, pieces: Sequence[Piece], check: int) -> None:

@@ -39,10 +39,23 @@ __all__ = [
 ]
 
 _ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
-}  # fmt: skip
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
 FLOAT8 = frozenset(name for name in _ITEMSIZE if name.startswith("float8"))
 
 
@@ -285,8 +298,9 @@ def describe_value(value: dict[str, Any], role: str) -> tuple[list[HeldParam], l
                     f"{role} {name!r}: a local piece of shape {tuple(local.shape)} at offsets {list(item.offsets)} "
                     f"does not fit the global shape {list(item.global_shape)}"
                 )
-            held = HeldParam(name, item.global_shape, dtype_name(local.dtype), box,
-                             item.placements, item.mesh_shape, item.coordinate)  # fmt: skip
+            held = HeldParam(
+                name, item.global_shape, dtype_name(local.dtype), box, item.placements, item.mesh_shape, item.coordinate
+            )
         elif isinstance(item, torch.Tensor):
             local = item
             held = HeldParam(name, tuple(local.shape), dtype_name(local.dtype), Box.full(local.shape))

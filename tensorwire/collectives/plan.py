@@ -369,10 +369,13 @@ class Plan:
         if self.loads:
             lines.append(f"  per trainer: min {_size(min(self.loads))}, max {_size(max(self.loads))}")
         if receiver_bytes:
-            lines.append(f"  per receiver: min {_size(min(receiver_bytes.values()))}, "
-                         f"max {_size(max(receiver_bytes.values()))}")  # fmt: skip
-        lines.append(f"  at {rank_gbps:g} GB/s per rank: modelled push {_duration(self.modelled_push_s(rank_gbps))}, "
-                     f"bound {_duration(self.bound_s(rank_gbps))}")  # fmt: skip
+            lines.append(
+                f"  per receiver: min {_size(min(receiver_bytes.values()))}, max {_size(max(receiver_bytes.values()))}"
+            )
+        lines.append(
+            f"  at {rank_gbps:g} GB/s per rank: modelled push {_duration(self.modelled_push_s(rank_gbps))}, "
+            f"bound {_duration(self.bound_s(rank_gbps))}"
+        )
         return "\n".join(lines)
 
     def __str__(self) -> str:

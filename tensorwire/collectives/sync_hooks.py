@@ -41,8 +41,16 @@ from tensorwire.runtime.hooks import actor_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.agent.wire import peer_from_bytes
 
-__all__ = ["PushSpec", "ReceiveResult", "Region", "Role", "SendResult", "assign_roles", "weight_fence",
-           "weight_version"]  # fmt: skip
+__all__ = [
+    "PushSpec",
+    "ReceiveResult",
+    "Region",
+    "Role",
+    "SendResult",
+    "assign_roles",
+    "weight_fence",
+    "weight_version",
+]
 
 _versions: dict[str, int] = {}
 _fences: dict[str, threading.Lock] = {}
@@ -168,9 +176,14 @@ def _fanouts(channel: Channel, spec: PushSpec, on_done: Callable[[int, int], Non
         if role.children:
             done = (lambda k, s=role.stream: on_done(s, k)) if on_done else (lambda _k: None)
             result[role.stream] = Fanout(
-                channel, role.children, sync_id=spec.sync_id, stream=role.stream, slot_nbytes=role.slot_nbytes,
-                transport=spec.transport, on_done=done,
-            )  # fmt: skip
+                channel,
+                role.children,
+                sync_id=spec.sync_id,
+                stream=role.stream,
+                slot_nbytes=role.slot_nbytes,
+                transport=spec.transport,
+                on_done=done,
+            )
     return result
 
 
@@ -264,11 +277,13 @@ def _take(
     kind, payload = bucket
     if kind is BucketKind.RING:
         (slot_nbytes,) = SLOT.unpack_from(payload)
-        array = ring_reader(spec.sync_id).mapped(payload[SLOT.size :].decode(), slot_nbytes)
-        return "shm", read_slot(array, views, dtypes), views
+        transport, reader = ring_reader(spec.sync_id)
+        array = reader.mapped(payload[SLOT.size :].decode(), slot_nbytes)
+        return transport, read_slot(array, views, dtypes), views
     direct = [v.dtype == d and v.is_contiguous() for v, d in zip(views, dtypes, strict=True)]
-    fetched = channel.fetch(payload, [v if ok else None for v, ok in zip(views, direct, strict=True)],
-                            transport=spec.transport)  # fmt: skip
+    fetched = channel.fetch(
+        payload, [v if ok else None for v, ok in zip(views, direct, strict=True)], transport=spec.transport
+    )
     copy_start = time.perf_counter()
     for i, ok in enumerate(direct):
         if not ok:

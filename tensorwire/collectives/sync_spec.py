@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tensorwire.collectives.channel import member_from
-from tensorwire.collectives.group import broadcast_parents
 from tensorwire.collectives.layout import Box, HeldParam
 from tensorwire.collectives.plan import Plan
+from tensorwire.collectives.tensorwire_group import broadcast_parents
 
 if TYPE_CHECKING:
     import torch
@@ -150,12 +150,14 @@ def assign_roles(
         slot = stream.slot_nbytes
         first = stream.transfers[stream.readers[0]]
         names = trainer_index[stream.trainer]
-        buckets = tuple(tuple(Region(names[first[i].source], first[i].src, first[i].wire_dtype) for i in b)
-                        for b in stream.buckets)  # fmt: skip
+        buckets = tuple(
+            tuple(Region(names[first[i].source], first[i].src, first[i].wire_dtype) for i in b) for b in stream.buckets
+        )
         roles[stream.trainer].append(Role(sid, -1, tuple(children.get(stream.trainer, ())), buckets, slot))
         for r in stream.readers:
             mine, index, rank = stream.transfers[r], receiver_index[r], rank_of[r]
-            buckets = tuple(tuple(Region(index[mine[i].target], mine[i].dst, mine[i].wire_dtype) for i in b)
-                            for b in stream.buckets)  # fmt: skip
+            buckets = tuple(
+                tuple(Region(index[mine[i].target], mine[i].dst, mine[i].wire_dtype) for i in b) for b in stream.buckets
+            )
             roles[rank].append(Role(sid, parents[rank], tuple(children.get(rank, ())), buckets, slot))
     return {rank: tuple(r) for rank, r in roles.items()}, sum(len(s.buckets) for s in streams)

@@ -270,9 +270,13 @@ class WeightSync:
         descriptions = (*self._trainer_descriptions, *(self._descriptions[r] for r in live))
         layouts = [self._layouts[r] for r in live]
         roles, buckets = assign_roles(
-            self.plan, live, trainer_layouts=self._trainer_layouts, receiver_layouts=layouts,
-            descriptions=descriptions, bucket_bytes=self.bucket_bytes,
-        )  # fmt: skip
+            self.plan,
+            live,
+            trainer_layouts=self._trainer_layouts,
+            receiver_layouts=layouts,
+            descriptions=descriptions,
+            bucket_bytes=self.bucket_bytes,
+        )
         driver = peer_to_bytes(runtime_agent().peer) if self.progress else b""
         m = len(self.trainers)
         blobs = {}
@@ -280,16 +284,32 @@ class WeightSync:
             trainer = rank < m
             layout = self._trainer_layouts[rank] if trainer else layouts[rank - m]
             index = {p.name: i for i, p in enumerate(layout)}
-            scales = () if trainer else tuple((index[n], index[s]) for n, s in self.plan.mapping.scales.items()
-                                              if n in index and s in index)  # fmt: skip
+            scales = (
+                ()
+                if trainer
+                else tuple(
+                    (index[n], index[s]) for n, s in self.plan.mapping.scales.items() if n in index and s in index
+                )
+            )
             spec = PushSpec(
-                sync_id=self._id, name=self.name, version=0, channel="", members=descriptions,
-                rank=rank, where=self.source if trainer else self.target, layout=layout, roles=roles[rank],
-                verify=self.verify, transport=self.transport, timeout_s=self.timeout_s,
+                sync_id=self._id,
+                name=self.name,
+                version=0,
+                channel="",
+                members=descriptions,
+                rank=rank,
+                where=self.source if trainer else self.target,
+                layout=layout,
+                roles=roles[rank],
+                verify=self.verify,
+                transport=self.transport,
+                timeout_s=self.timeout_s,
                 driver=driver if trainer else b"",
-                atomic=self.atomic and not trainer, fence=self.fence, scales=scales,
+                atomic=self.atomic and not trainer,
+                fence=self.fence,
+                scales=scales,
                 transform=self.transform if trainer else None,
-            )  # fmt: skip
+            )
             try:  # the C pickler: tens of times faster than cloudpickle on thousands of small records
                 blobs[rank] = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
             except (pickle.PicklingError, AttributeError, TypeError):  # a lambda as transform
@@ -317,10 +337,13 @@ class WeightSync:
         channel = f"tw-sync-{self._id}-{self.version}"
         m = len(self.trainers)
         start = time.perf_counter()
-        trainer_refs = [call_hook(t, sync_hooks.send, blobs[i], self.version, channel)
-                        for i, t in enumerate(self.trainers)]  # fmt: skip
-        receiver_refs = {r: call_hook(self._receivers[r], sync_hooks.receive, blobs[m + i], self.version, channel)
-                         for i, r in enumerate(live)}  # fmt: skip
+        trainer_refs = [
+            call_hook(t, sync_hooks.send, blobs[i], self.version, channel) for i, t in enumerate(self.trainers)
+        ]
+        receiver_refs = {
+            r: call_hook(self._receivers[r], sync_hooks.receive, blobs[m + i], self.version, channel)
+            for i, r in enumerate(live)
+        }
         self._wait([*trainer_refs, *receiver_refs.values()], channel, roles, buckets)
         seconds = time.perf_counter() - start
         report = SyncReport(self.version, self.nbytes, buckets, seconds, 0.0, 0.0, 0.0, 0.0)

@@ -41,8 +41,20 @@ from tensorwire.runtime.ray_env import configure_process, configured, mark_async
 from tensorwire.runtime.ref import Ref
 from tensorwire.runtime.registrations import with_registrations
 
-__all__ = ["HOOK_METHOD", "ActorClass", "ActorHandle", "ActorMethod", "MethodOptions", "RemoteFunction",
-           "check_transport", "get_actor", "make_handle", "method", "passthrough", "remote"]  # fmt: skip
+__all__ = [
+    "HOOK_METHOD",
+    "ActorClass",
+    "ActorHandle",
+    "ActorMethod",
+    "MethodOptions",
+    "RemoteFunction",
+    "check_transport",
+    "get_actor",
+    "make_handle",
+    "method",
+    "passthrough",
+    "remote",
+]
 
 _METHOD_ATTR = "__tensorwire_method__"
 _CALL_KWARG = CALL_KWARG

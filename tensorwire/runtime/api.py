@@ -25,6 +25,7 @@ from tensorwire.transport.config import validate_timeout
 from tensorwire.transport.contract import MemoryKind, ObjectDescriptor, TensorKind, TensorMeta
 from tensorwire.transport.hw import topology
 from tensorwire.transport.packing import packed_layout
+from tensorwire.transport.waiting import backoff, wait_until
 
 __all__ = [
     "free",
@@ -247,27 +248,25 @@ def wait_tensor_freed(tensor: Any, *, timeout_s: float = 60.0) -> None:
         TransferTimeoutError: References are still held after ``timeout_s`` (the message
             says how many objects). ValueError: ``timeout_s`` is not positive.
     """
-    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    timeout_s = validate_timeout(timeout_s)
     _skeleton, tensors, _kinds = values.flatten(tensor)
     if not tensors:
         raise TypeError(f"wait_tensor_freed expects a tensor or a value holding tensors, got {type(tensor).__name__}")
     storages = frozenset(t.untyped_storage().data_ptr() for t in tensors)
     agent = runtime_agent()
     deadline = time.monotonic() + timeout_s
-    pause_s = 0.001
-    while True:
-        agent.flush(timeout_s=min(10.0, max(0.01, deadline - time.monotonic())))
-        held = agent.owned_sharing(storages)
-        if not held:
-            return
-        if time.monotonic() >= deadline:
-            raise TransferTimeoutError(
-                f"{held} object(s) holding this tensor are still referenced after {timeout_s} s: a consumer still "
-                "holds a tw.Ref to it (drop it, or tw.free(ref) to free it early)"
-            )
-        time.sleep(pause_s)
-        pause_s = min(0.05, pause_s * 2)
+
+    def freed(_slice_s: float) -> bool | None:
+        agent.flush(timeout_s=min(10.0, max(0.01, deadline - time.monotonic())))  # releases on their way
+        return None if agent.owned_sharing(storages) else True
+
+    def still_held() -> Exception:
+        return TransferTimeoutError(
+            f"{agent.owned_sharing(storages)} object(s) holding this tensor are still referenced after {timeout_s} s: "
+            "a consumer still holds a tw.Ref to it (drop it, or tw.free(ref) to free it early)"
+        )
+
+    wait_until(freed, deadline=deadline, what="wait_tensor_freed", pause=backoff(0.001, 0.05), on_timeout=still_held)
 
 
 def free(ref: Ref) -> None:

@@ -11,8 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CALL_KWARG", "PLAIN", "ActorHandle", "ActorMethod", "MethodOptions", "call_options", "check_transport",
-           "get_actor", "make_handle"]  # fmt: skip
+__all__ = [
+    "CALL_KWARG",
+    "PLAIN",
+    "ActorHandle",
+    "ActorMethod",
+    "MethodOptions",
+    "call_options",
+    "check_transport",
+    "get_actor",
+    "make_handle",
+]
 
 CALL_KWARG = "__tw_call__"
 

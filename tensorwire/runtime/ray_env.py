@@ -27,8 +27,17 @@ from tensorwire.transport.agent.metrics import TransferRecord, add_observer
 if TYPE_CHECKING:
     from tensorwire.transport.agent import Agent
 
-__all__ = ["TOKEN_ACTOR_NAME", "TOKEN_NAMESPACE", "RayMetrics", "agent", "configure_process", "configured", "in_ray",
-           "mark_async_actor", "ray_result"]  # fmt: skip
+__all__ = [
+    "TOKEN_ACTOR_NAME",
+    "TOKEN_NAMESPACE",
+    "RayMetrics",
+    "agent",
+    "configure_process",
+    "configured",
+    "in_ray",
+    "mark_async_actor",
+    "ray_result",
+]
 
 TOKEN_ACTOR_NAME = "tensorwire_cluster_token"
 TOKEN_NAMESPACE = "tensorwire"

@@ -82,10 +82,12 @@ def _fetch_for_ray_get(state: RefState) -> Any:
     import traceback
 
     from tensorwire.errors import TensorwireError
-    from tensorwire.runtime.api import get
+    from tensorwire.runtime import reading
 
     try:
-        return get(Ref(state._replace(pin_id=b"")))  # a hold while it is fetched; the sender's pins cover the gap
+        return reading.get_ref(
+            Ref(state._replace(pin_id=b""))
+        )  # a hold while it is fetched; the sender's pins cover the gap
     except TensorwireError as e:
         import ray
 

@@ -107,8 +107,13 @@ class Config:
 
 # What importing ucxx writes into the environment, each where it was unset (ucxx/__init__.py), for
 # ucxx's own UCX context; another UCX made in the process later (NIXL's bundled one) would read it too.
-_UCXX_SETTINGS = {"UCX_MEMTYPE_CACHE": "n", "UCX_RNDV_THRESH": "8192", "UCX_RNDV_FRAG_MEM_TYPE": "cuda",
-                  "UCX_MAX_RNDV_RAILS": "1", "UCX_CUDA_COPY_MAX_REG_RATIO": "1.0"}  # fmt: skip
+_UCXX_SETTINGS = {
+    "UCX_MEMTYPE_CACHE": "n",
+    "UCX_RNDV_THRESH": "8192",
+    "UCX_RNDV_FRAG_MEM_TYPE": "cuda",
+    "UCX_MAX_RNDV_RAILS": "1",
+    "UCX_CUDA_COPY_MAX_REG_RATIO": "1.0",
+}
 UCX_ENVIRONMENT_LOCK = threading.Lock()  # held while a UCX context of this process reads its settings
 
 

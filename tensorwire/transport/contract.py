@@ -222,18 +222,12 @@ class TransportContext(ABC):
         """
 
     @abstractmethod
-    def rendezvous_set(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
-        """Either side of a connection: publish ``key`` of ``group`` here and at ``peer``.
+    def rendezvous_push(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
+        """Either side of a connection: set ``key`` of ``group`` at ``peer`` (this process's
+        own ``peer`` sets it here).
 
         Blocks until ``peer`` stored it (a dropped connection is retried once); raises the
         mapped tensorwire error.
-        """
-
-    @abstractmethod
-    def rendezvous_push(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
-        """Set ``key`` of ``group`` at ``peer`` only (a member of a larger group telling another).
-
-        Blocks like :meth:`rendezvous_set`; ``peer`` may be this process.
         """
 
     @abstractmethod
@@ -287,6 +281,11 @@ class Transport(ABC):
         memory). May block while it copies. Called at most once per object.
         """
         raise TransportUnavailableError(f"transport {self.name!r} does not export handles")
+
+    def export_nbytes(self, obj: StoredObject) -> int:
+        """Producer: the bytes of memory this transport holds for ``obj``'s export beyond its
+        tensors (a copy in a segment), 0 when it reads them in place. Never blocks."""
+        return 0
 
     def release(self, obj: StoredObject) -> None:  # noqa: B027 - optional hook
         """Producer, when ``obj`` is freed: drop every resource tied to it. Must not raise, and

@@ -168,4 +168,3 @@ class HostPool:
             buffers = sum(len(b) for b in self._idle.values())
             idle = self._idle_nbytes
         return {"idle_nbytes": idle, "idle_buffers": buffers, "reused": self._reused, "made": self._made}
-

@@ -166,6 +166,7 @@ class ObjectDescriptor:
     owner: PeerInfo
     metas: tuple[TensorMeta, ...]
     packed_nbytes: int
+
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # the metadata as plain rows, memoised
         return reduce_descriptor(self)
 

@@ -1,4 +1,6 @@
-"""Standalone two-rank torch.distributed process groups per pair of agents (gloo, nccl).
+"""torch.distributed process groups over the agents: two-rank ones per pair of agents (the
+gloo and nccl transports), and what groups of any size share with them (the collectives' gloo
+and nccl backends): the c10d store over the control service, waiting for works, abort.
 
 The torch.distributed default process group is never touched, so user code may own it. A
 group's c10d store is the agents' control service: keys set by one side are pushed to the
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import secrets
+import threading
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
@@ -23,12 +26,15 @@ import torch.distributed as dist
 from tensorwire.errors import PeerLostError, TransferTimeoutError, TransportError
 from tensorwire.transport.contract import PeerInfo
 from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport
+from tensorwire.transport.waiting import wait_until
 
 __all__ = [
     "CONSUMER_RANK",
     "PRODUCER_RANK",
     "ControlStore",
+    "GlooWorks",
     "GroupOps",
+    "NcclWorks",
     "PairGroupTransport",
     "abort_group",
     "post_ops",
@@ -51,21 +57,27 @@ class ControlStore(dist.Store):
 
     def set(self, key: str, value: Any) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
-        self._context.rendezvous_set(self._peers[0], self._group, key, data, timeout_s=self._timeout_s)
-        for peer in self._peers[1:]:
+        for peer in (self._context.peer, *self._peers):  # here first, then every other member
             self._context.rendezvous_push(peer, self._group, key, data, timeout_s=self._timeout_s)
 
     def get(self, key: str) -> bytes:
-        deadline = time.monotonic() + self._timeout_s
-        while True:  # in slices, to notice a peer that exited meanwhile
-            try:
-                return self._context.rendezvous_get(self._group, key, timeout_s=min(0.25, self._timeout_s))
-            except TransferTimeoutError:
-                if time.monotonic() >= deadline:
-                    raise
-                for peer in self._peers:
-                    if not self._context.peer_may_be_alive(peer):
-                        raise PeerLostError(f"rendezvous with agent {peer.agent_id}: its process exited") from None
+        return wait_until(
+            lambda slice_s: self._value(key, slice_s),
+            deadline=time.monotonic() + self._timeout_s,
+            what=f"rendezvous {self._group}: key {key!r}",
+            check=self._check_peers,
+        )
+
+    def _value(self, key: str, slice_s: float) -> bytes | None:
+        try:
+            return self._context.rendezvous_get(self._group, key, timeout_s=slice_s)
+        except TransferTimeoutError:
+            return None
+
+    def _check_peers(self) -> None:
+        for peer in self._peers:
+            if not self._context.peer_may_be_alive(peer):
+                raise PeerLostError(f"rendezvous with agent {peer.agent_id}: its process exited")
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
         for key in keys:
@@ -147,3 +159,50 @@ def abort_group(group: Any) -> None:
     """Abort a group: its pending operations fail and it is unusable. Never raises."""
     with contextlib.suppress(Exception):
         group.abort()
+
+
+class GlooWorks(GroupOps):
+    """Gloo send/recv works learn of their completion only inside a blocking ``wait`` (and a
+    wait that times out fails the work for good), and a wait does not always return when the
+    peer dies. So a helper thread waits for the works once, with the remaining time, while
+    the caller runs ``check`` every quarter second and gives up as soon as it fails. The
+    helper's own wait ends by the same deadline, and a timed-out gloo wait closes the pair,
+    so nothing is written into the buffers after the deadline."""
+
+    def poll(self) -> bool:
+        raise NotImplementedError  # wait() is overridden
+
+    def _wait_all(self, deadline: float, outcome: list[BaseException | None], done: threading.Event) -> None:
+        try:
+            for work in self._works:
+                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            outcome.append(e)
+        finally:
+            done.set()
+
+    def wait(self, deadline: float, check: Callable[[], None], what: str) -> None:
+        outcome: list[BaseException | None] = []
+        done = threading.Event()
+        # Not a daemon: a gloo wait cannot be interrupted (aborting the group does not wake it),
+        # and a daemon thread that returns from it while the interpreter shuts down aborts the
+        # process. It ends by the request's deadline at the latest; exit waits for it.
+        threading.Thread(target=self._wait_all, args=(deadline, outcome, done), name="tensorwire-gloo-wait").start()
+        wait_until(lambda slice_s: done.wait(slice_s) or None, deadline=deadline, what=what, check=check)
+        error = outcome[0]
+        if error is None:
+            return
+        if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+            raise TransferTimeoutError(f"{what}: not complete before the deadline")
+        raise PeerLostError(f"{what}: gloo operation failed: {error}")
+
+
+class NcclWorks(GroupOps):
+    """NCCL works complete on the GPU; ``poll`` asks each without blocking."""
+
+    def poll(self) -> bool:
+        try:
+            return all(work.is_completed() for work in self._works)
+        except RuntimeError as e:
+            raise TransportError(f"nccl operation failed: {e}") from None

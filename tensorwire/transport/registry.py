@@ -34,6 +34,7 @@ __all__ = [
     "check_contract",
     "encode_env",
     "get_transport_class",
+    "library_report",
     "register_transport",
     "registered_transports",
     "runtime_registrations",
@@ -261,6 +262,21 @@ def get_transport_class(name: str) -> type[Transport]:
     with _lock:
         _loaded[name] = cls
     return cls
+
+
+def library_report() -> dict[str, str]:
+    """Each registered transport's optional library and its state (``Transport.library_status``),
+    for those that name one; a transport that cannot be loaded says why. Imports the transport
+    modules, not their libraries."""
+    report = {}
+    for name in registered_transports():
+        try:
+            status = get_transport_class(name).library_status()
+        except Exception as e:  # noqa: BLE001 - a broken plug-in is reported, not raised
+            status = f"cannot be loaded: {type(e).__name__}: {e}"
+        if status:
+            report[name] = status
+    return report
 
 
 def _unknown_message(name: str) -> str:

@@ -45,12 +45,12 @@ from tensorwire.errors import (
     PeerLostError,
     TensorwireError,
     TransferAbortedError,
-    TransferTimeoutError,
     TransportError,
     UnknownConnectionError,
 )
 from tensorwire.transport.contract import FetchRequest, PeerInfo, StoredObject, Transport
 from tensorwire.transport.packing import byte_view, message_plan
+from tensorwire.transport.waiting import backoff, wait_until
 
 __all__ = ["Connection", "PostedOps", "TwoSidedTransport"]
 
@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 _PARAMS = struct.Struct("!16sIQ")  # connection key, tag base, deadline in ms from now
 _POSTED = b"posted"
+_POLL_PAUSE = backoff(20e-6, 200e-6)  # between polls of posted operations
 _KEY_NBYTES = 16
 _TAG_SHIFT = 16  # low bits: message index within a transfer
 _MAX_MESSAGES = 1 << _TAG_SHIFT
@@ -97,17 +98,7 @@ class PostedOps(ABC):
     def wait(self, deadline: float, check: Callable[[], None], what: str) -> None:
         """Poll until done or the deadline (``TransferTimeoutError``); every quarter second
         ``check()`` may raise to stop early (the peer exited or dropped the transfer)."""
-        pause = 20e-6
-        next_check = time.monotonic() + 0.25
-        while not self.poll():
-            now = time.monotonic()
-            if now >= deadline:
-                raise TransferTimeoutError(f"{what}: not complete before the deadline")
-            if now >= next_check:
-                check()
-                next_check = time.monotonic() + 0.25
-            time.sleep(pause)
-            pause = min(pause * 2, 200e-6)
+        wait_until(lambda _s: self.poll() or None, deadline=deadline, what=what, check=check, pause=_POLL_PAUSE)
 
 
 class TwoSidedTransport(Transport):

@@ -180,8 +180,9 @@ class Pieces:
         result = {}
         for name, piece in self.pieces.items():
             tensor = piece.tensor
-            result[name] = (tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 and tensor.is_floating_point()
-                            else tensor).clone()  # fmt: skip
+            result[name] = (
+                tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 and tensor.is_floating_point() else tensor
+            ).clone()
         return result
 
     def data_ptrs(self) -> list[int]:
@@ -261,8 +262,9 @@ class DTensorTrainer:
             theirs = [Shard(p.dim) if isinstance(p, tw.collective.Shard) else Replicate() for p in ours]
             box = placement_box(shape, ours, (world,), (rank,))
             local = full_tensor(name, shape)[box.slices()].contiguous()
-            self.state[name] = DTensor.from_local(local, mesh, theirs, run_check=False, shape=shape,
-                                                  stride=full_tensor(name, shape).stride())  # fmt: skip
+            self.state[name] = DTensor.from_local(
+                local, mesh, theirs, run_check=False, shape=shape, stride=full_tensor(name, shape).stride()
+            )
 
     def state_dict(self) -> dict:
         return self.state

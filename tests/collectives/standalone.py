@@ -13,8 +13,8 @@ import torch
 
 from tensorwire.collectives import sync_hooks
 from tensorwire.collectives.channel import describe_self, member_from
-from tensorwire.collectives.group import TensorwireGroup
 from tensorwire.collectives.layout import Shard, Sharded
+from tensorwire.collectives.tensorwire_group import TensorwireGroup
 from tests.helpers.tasks import digest
 
 _kept: dict[str, object] = {}
@@ -77,10 +77,12 @@ def _sharded_weights(role: str, rank: int, device: str) -> dict:
     w = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
     b = torch.randn(32, generator=torch.Generator().manual_seed(6))
     if role == "trainer":
-        return {"w": Sharded.of(w.chunk(2)[rank].contiguous().to(device), [Shard(0)], (2,), (rank,)),
-                "b": b.to(device)}  # fmt: skip
-    return {"w": Sharded.of(torch.zeros(64, 16, dtype=torch.bfloat16, device=device), [Shard(1)], (2,), (1,)),
-            "b": torch.zeros(32, device=device), "expected": (w[:, 16:].to(torch.bfloat16), b)}  # fmt: skip
+        return {"w": Sharded.of(w.chunk(2)[rank].contiguous().to(device), [Shard(0)], (2,), (rank,)), "b": b.to(device)}
+    return {
+        "w": Sharded.of(torch.zeros(64, 16, dtype=torch.bfloat16, device=device), [Shard(1)], (2,), (1,)),
+        "b": torch.zeros(32, device=device),
+        "expected": (w[:, 16:].to(torch.bfloat16), b),
+    }
 
 
 def sharded_send(spec: sync_hooks.PushSpec, rank: int, device: str) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.collectives.channel import Member as GroupMember
-from tensorwire.collectives.group import broadcast_parents
+from tensorwire.collectives.tensorwire_group import broadcast_parents
 from tensorwire.transport.contract import PeerInfo
 from tests.collectives.actors import Member, member_input
 
@@ -69,8 +69,13 @@ def test_all_reduce(members, reduce):
     the mean, which neither backend computes this way (gloo has no AVG; both sum, then divide)."""
     results = both(members, "all_reduce", reduce=reduce)
     inputs = torch.stack([member_input(r) for r in range(WORLD)])
-    expected = {"sum": inputs.sum(0), "product": inputs.prod(0), "min": inputs.amin(0), "max": inputs.amax(0),
-                "avg": inputs.mean(0)}[reduce]  # fmt: skip
+    expected = {
+        "sum": inputs.sum(0),
+        "product": inputs.prod(0),
+        "min": inputs.amin(0),
+        "max": inputs.amax(0),
+        "avg": inputs.mean(0),
+    }[reduce]
     for r in results:
         if reduce == "avg":  # sum / 3 and mean may round apart in the last bit
             torch.testing.assert_close(r, expected, rtol=1e-15, atol=0)

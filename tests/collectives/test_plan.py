@@ -154,8 +154,15 @@ def test_kimi_k2_like_plan_from_layouts_alone():
     """256 BF16 trainer ranks into 128 receiver ranks, ~1 T parameters in ~70,000 tensors:
     planned without tensors, in a fresh process (its peak memory is the whole cost)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", _SCALE], capture_output=True, text=True, cwd=root, timeout=600,
-                         env={**os.environ, "PYTHONPATH": root}, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _SCALE],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": root},
+        check=True,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(result["summary"])
     print({k: v for k, v in result.items() if k != "summary"})

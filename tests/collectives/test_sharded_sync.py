@@ -36,8 +36,14 @@ TRAINER_SHAPES = {
     "half.w": ((4, 6), (S0,)),
     "fp8.w": ((8, 6), (S1,)),
 }
-RENAME = {"row.w": "r.row", "col.w": "r.col", "grid.w": "r.grid", "norm": "r.norm", "half.w": "r.half",
-          "fp8.w": "r.fp8"}  # fmt: skip
+RENAME = {
+    "row.w": "r.row",
+    "col.w": "r.col",
+    "grid.w": "r.grid",
+    "norm": "r.norm",
+    "half.w": "r.half",
+    "fp8.w": "r.fp8",
+}
 FUSE = {"r.qkv": ["q.w", "k.w", "v.w"], "r.gate_up": ["gate.w", "up.w"]}
 # receiver name -> (global shape, placements over (replica, tp), dtype, parts fused along dim 0)
 RECEIVER_SHAPES = {
@@ -54,8 +60,10 @@ RECEIVER_SHAPES = {
 
 
 def trainer_entries(rank: int, world: int = 2) -> dict:
-    return {name: (shape, placements, (world,), (rank,), "float32", None)
-            for name, (shape, placements) in TRAINER_SHAPES.items()}  # fmt: skip
+    return {
+        name: (shape, placements, (world,), (rank,), "float32", None)
+        for name, (shape, placements) in TRAINER_SHAPES.items()
+    }
 
 
 def receiver_entries(coord: tuple[int, int]) -> dict:
@@ -106,8 +114,9 @@ def test_two_trainers_into_four_differently_sharded_receivers_bit_exact(ray_loca
     trainers = [Pieces.remote(trainer_entries(r), version=1) for r in range(2)]
     receivers = [Pieces.remote(receiver_entries(c)) for c in COORDS]
     pointers = ray.get([r.data_ptrs.remote() for r in receivers])
-    sync = tw.WeightSync(trainers, receivers, rename=RENAME, fuse=FUSE, scales={"r.fp8": "r.fp8_scale"},
-                         bucket_bytes=256, verify=True)  # fmt: skip
+    sync = tw.WeightSync(
+        trainers, receivers, rename=RENAME, fuse=FUSE, scales={"r.fp8": "r.fp8_scale"}, bucket_bytes=256, verify=True
+    )
     text = str(sync.plan)
     assert "2 trainer(s) -> 4 receiver(s)" in text and "per trainer" in text
     for version in (1, 2):
@@ -145,8 +154,11 @@ def test_dtensor_trainers_give_their_layouts(ray_local):
     placements = {"a": (S0,), "b": (S1,), "c": (R,)}
     port = free_port()
     trainers = [DTensorTrainer.remote(rank, 2, port, shapes, placements) for rank in range(2)]
-    entries = {"a": ((8, 6), (S1,), (2,), (0,), "float32", None), "b": ((6, 8), (S0,), (2,), (1,), "float32", None),
-               "c": ((5,), (R,), (2,), (0,), "float32", None)}  # fmt: skip
+    entries = {
+        "a": ((8, 6), (S1,), (2,), (0,), "float32", None),
+        "b": ((6, 8), (S0,), (2,), (1,), "float32", None),
+        "c": ((5,), (R,), (2,), (0,), "float32", None),
+    }
     receiver = Pieces.remote(entries)
     sync = tw.WeightSync(trainers, [receiver])  # state_dict() by default, DTensor layouts derived
     # each trainer holds half of a's rows and of b's columns: 4x3 and 3x4 float32 of each; c (5) once
@@ -228,8 +240,14 @@ def test_trainer_killed_mid_push_fails_it_by_name_and_atomic_receivers_keep_the_
     marker = str(tmp_path / "pushing")
     trainers = [Pieces.remote(flat_entries(r, 2, tensors=16), version=1) for r in range(2)]
     receivers = [Pieces.remote(flat_entries(0, 1, tensors=16)) for _ in range(2)]
-    sync = tw.WeightSync(trainers, receivers, atomic=True, bucket_bytes=64 << 10, timeout_s=60,
-                         transform=functools.partial(marked_slowly, marker))  # fmt: skip
+    sync = tw.WeightSync(
+        trainers,
+        receivers,
+        atomic=True,
+        bucket_bytes=64 << 10,
+        timeout_s=60,
+        transform=functools.partial(marked_slowly, marker),
+    )
     assert sync.push().ok
     os.unlink(marker)
     ray.get([t.become.remote(2) for t in trainers])

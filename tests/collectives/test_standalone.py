@@ -37,14 +37,31 @@ def test_weight_sync_hooks_between_processes(workers, device):
     layout = tuple(HeldParam(f"w{i}", (1 << 16,), "float32", Box.full((1 << 16,))) for i in range(tensors))
     plan = plan_sync([layout], [layout, layout])
     descriptions = [w.call("tests.collectives.standalone:describe") for w in workers]
-    roles, buckets = assign_roles(plan, [0, 1], trainer_layouts=[layout], receiver_layouts=[layout, layout],
-                                  descriptions=descriptions, bucket_bytes=1 << 20)  # fmt: skip
+    roles, buckets = assign_roles(
+        plan,
+        [0, 1],
+        trainer_layouts=[layout],
+        receiver_layouts=[layout, layout],
+        descriptions=descriptions,
+        bucket_bytes=1 << 20,
+    )
     assert buckets == 10  # 4 tensors of 256 KiB per bucket
 
     def spec(rank: int) -> PushSpec:
-        return PushSpec(sync_id="standalone", name="weights", version=1, channel="tw-sync-standalone-1",
-                        members=tuple(descriptions), rank=rank, where="weights", layout=layout, roles=roles[rank],
-                        verify=True, transport="", timeout_s=60.0)  # fmt: skip
+        return PushSpec(
+            sync_id="standalone",
+            name="weights",
+            version=1,
+            channel="tw-sync-standalone-1",
+            members=tuple(descriptions),
+            rank=rank,
+            where="weights",
+            layout=layout,
+            roles=roles[rank],
+            verify=True,
+            transport="",
+            timeout_s=60.0,
+        )
 
     workers[0].send("tests.collectives.standalone:sync_send", spec(0), tensors, device)
     workers[1].send("tests.collectives.standalone:sync_receive", spec(1), tensors, device)
@@ -63,20 +80,40 @@ def test_sharded_weight_sync_hooks_between_processes(workers, device):
     """Two trainer processes (rows of w, all of b) into one receiver (columns of w, as bf16)."""
     from tensorwire.collectives.layout import Shard, placement_box
 
-    trainers = [(HeldParam("w", (64, 32), "float32", placement_box((64, 32), [Shard(0)], (2,), (r,)),
-                           (Shard(0),), (2,), (r,)),
-                 HeldParam("b", (32,), "float32", Box.full((32,)))) for r in range(2)]  # fmt: skip
-    receiver = (HeldParam("w", (64, 32), "bfloat16", Box((0, 16), (64, 16)), (Shard(1),), (2,), (1,)),
-                HeldParam("b", (32,), "float32", Box.full((32,))))  # fmt: skip
+    trainers = [
+        (
+            HeldParam(
+                "w", (64, 32), "float32", placement_box((64, 32), [Shard(0)], (2,), (r,)), (Shard(0),), (2,), (r,)
+            ),
+            HeldParam("b", (32,), "float32", Box.full((32,))),
+        )
+        for r in range(2)
+    ]
+    receiver = (
+        HeldParam("w", (64, 32), "bfloat16", Box((0, 16), (64, 16)), (Shard(1),), (2,), (1,)),
+        HeldParam("b", (32,), "float32", Box.full((32,))),
+    )
     plan = plan_sync(trainers, [receiver])
     descriptions = [w.call("tests.collectives.standalone:describe") for w in workers]
-    roles, _buckets = assign_roles(plan, [0], trainer_layouts=trainers, receiver_layouts=[receiver],
-                                   descriptions=descriptions, bucket_bytes=1024)  # fmt: skip
+    roles, _buckets = assign_roles(
+        plan, [0], trainer_layouts=trainers, receiver_layouts=[receiver], descriptions=descriptions, bucket_bytes=1024
+    )
 
     def spec(rank: int, layout: tuple) -> PushSpec:
-        return PushSpec(sync_id="sharded", name="weights", version=1, channel="tw-sync-sharded-1",
-                        members=tuple(descriptions), rank=rank, where="weights", layout=layout, roles=roles[rank],
-                        verify=True, transport="", timeout_s=60.0)  # fmt: skip
+        return PushSpec(
+            sync_id="sharded",
+            name="weights",
+            version=1,
+            channel="tw-sync-sharded-1",
+            members=tuple(descriptions),
+            rank=rank,
+            where="weights",
+            layout=layout,
+            roles=roles[rank],
+            verify=True,
+            transport="",
+            timeout_s=60.0,
+        )
 
     for rank in range(2):
         workers[rank].send("tests.collectives.standalone:sharded_send", spec(rank, trainers[rank]), rank, device)

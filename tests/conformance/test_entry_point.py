@@ -20,8 +20,16 @@ from tests.helpers import entry_point_transport
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SUITE = "tests/conformance/test_transports.py"
-CASES = ["test_dtypes", "test_nested_structure", "test_out_buffers", "test_placements", "test_same_process",
-         "test_sidedness", "test_zero_copy_view", "test_zero_dim_empty_and_noncontiguous"]  # fmt: skip
+CASES = [
+    "test_dtypes",
+    "test_nested_structure",
+    "test_out_buffers",
+    "test_placements",
+    "test_same_process",
+    "test_sidedness",
+    "test_zero_copy_view",
+    "test_zero_dim_empty_and_noncontiguous",
+]
 # testep everywhere; testfile (registered at run time in the driver only) once in a Ray actor
 SELECTED = f"{entry_point_transport.NAME} or (ray and testfile and dtypes)"
 EXPECTED = sorted([*CASES, *["test_sizes"] * 5])  # every case of the suite that has consumers

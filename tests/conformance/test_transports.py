@@ -142,9 +142,18 @@ def fetch_digest(transport: str, consumers, value) -> str:
 
 
 DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool, torch.uint8,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64,
-]  # fmt: skip
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.complex64,
+]
 
 
 def test_dtypes(transport, consumers):

@@ -11,20 +11,20 @@ import torch
 
 import tensorwire as tw
 from tensorwire.collectives import sync_hooks
-from tensorwire.transport.backends.nixl import transport as nixl
+from tensorwire.transport.backends.nixl import agent as nixl_agent
 from tests.helpers.tasks import digest
 
 _kept: dict[str, Any] = {}
 
 
 def stats() -> dict[str, int]:
-    return nixl.stats()
+    return nixl_agent.stats()
 
 
 def started_stats() -> dict[str, int]:
     """The counters once this process's NIXL agent exists (its own slot tables registered)."""
-    nixl._agent()
-    return nixl.stats()
+    nixl_agent.process_agent()
+    return nixl_agent.stats()
 
 
 def rss_bytes() -> int:
@@ -34,7 +34,7 @@ def rss_bytes() -> int:
 
 def connection_metadata() -> bytes:
     """This process's NIXL agent metadata (what its connection info publishes once the agent exists)."""
-    return nixl._agent().conn_md
+    return nixl_agent.process_agent().conn_md
 
 
 def put_kept(name: str, nbytes: int, seed: int = 0) -> tw.Ref:
@@ -57,7 +57,7 @@ def put_alone(name: str, nbytes: int) -> tuple[tw.Ref, tuple]:
     """Put a new ``nbytes`` tensor kept under ``name``; its reference and its storage's registration key."""
     _kept[name] = torch.ones(nbytes, dtype=torch.uint8)
     _kept[f"{name}/ref"] = tw.put(_kept[name])
-    return _kept[f"{name}/ref"], nixl._region(_kept[name])
+    return _kept[f"{name}/ref"], nixl_agent.region(_kept[name])
 
 
 def drop_alone(name: str) -> None:
@@ -67,8 +67,8 @@ def drop_alone(name: str) -> None:
 
 
 def region_registered(key: tuple) -> bool:
-    with nixl._agent().lock:
-        return tuple(key) in nixl._agent().regs
+    with nixl_agent.process_agent().lock:
+        return tuple(key) in nixl_agent.process_agent().regs
 
 
 def kept_digest(name: str) -> str:
@@ -92,8 +92,8 @@ def late_read(ref: tw.Ref, timeout_s: float) -> dict:
     try:
         value = tw.get(ref, transport="nixl", timeout_s=timeout_s)
     except tw.TensorwireError as e:
-        return {"outcome": type(e).__name__, "stats": nixl.stats()}
-    return {"outcome": digest(value), "stats": nixl.stats()}
+        return {"outcome": type(e).__name__, "stats": nixl_agent.stats()}
+    return {"outcome": digest(value), "stats": nixl_agent.stats()}
 
 
 def read_loop(ref: tw.Ref, progress: str, max_s: float, timeout_s: float) -> dict:
@@ -168,8 +168,8 @@ def read_plain(refs: list[tw.Ref], transport: str = "nixl") -> dict:
     fetch; the digests, and how many registrations and pool leases that took here."""
     from tensorwire.runtime.ray_env import agent
 
-    nixl._agent()
-    registered, reused = nixl.stats()["registered"], agent().host_pool.stats()["reused"]
+    nixl_agent.process_agent()
+    registered, reused = nixl_agent.stats()["registered"], agent().host_pool.stats()["reused"]
     digests = []
     for ref in refs:
         value = tw.get(ref, transport=transport)
@@ -177,7 +177,7 @@ def read_plain(refs: list[tw.Ref], transport: str = "nixl") -> dict:
         del value  # its memory goes back to the pool
     return {
         "digests": digests,
-        "registered": nixl.stats()["registered"] - registered,
+        "registered": nixl_agent.stats()["registered"] - registered,
         "pool_reused": agent().host_pool.stats()["reused"] - reused,
     }
 
@@ -190,11 +190,11 @@ def sync_twice(role: str, specs: list, tensors: int) -> list[dict]:
     actor = standalone.holder(tensors, "cpu", seed=3 if role == "send" else None)
     results = []
     for spec in specs:
-        nixl._agent()
-        registered = nixl.stats()["registered"]
+        nixl_agent.process_agent()
+        registered = nixl_agent.stats()["registered"]
         run = sync_hooks.send if role == "send" else sync_hooks.receive
         result = dataclasses.asdict(run(actor, spec))
-        result.update(digest=digest(actor.weights), registered=nixl.stats()["registered"] - registered)
+        result.update(digest=digest(actor.weights), registered=nixl_agent.stats()["registered"] - registered)
         if role == "send":
             sync_hooks.release(None, spec.sync_id)  # after the receiver has it: the caller orders the calls
             for weight in actor.weights.values():

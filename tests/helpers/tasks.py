@@ -254,8 +254,13 @@ def view_and_write_with(ref: tw.Ref, transport: str) -> dict[str, Any]:
     first = int(view[0])
     view[0] = -1
     again = tw.get(ref, view=True, transport=transport)
-    return {"zero_copy": record.zero_copy, "first": first, "after_write": int(view[0]), "again": int(again[0]),
-            "transport": record.transport}  # fmt: skip
+    return {
+        "zero_copy": record.zero_copy,
+        "first": first,
+        "after_write": int(view[0]),
+        "again": int(again[0]),
+        "transport": record.transport,
+    }
 
 
 def reference_facts(ref: tw.Ref, transport: str) -> dict[str, Any]:
@@ -263,5 +268,9 @@ def reference_facts(ref: tw.Ref, transport: str) -> dict[str, Any]:
     fetch with ``transport`` forced delivered."""
     state = ref.resolve()
     value = tw.get(ref, transport=transport)
-    return {"digest": digest(value), "transport": tw.stats()["recent"][-1].transport,
-            "handles": sorted(state.handles), "offered": list(state.desc.owner.transports)}  # fmt: skip
+    return {
+        "digest": digest(value),
+        "transport": tw.stats()["recent"][-1].transport,
+        "handles": sorted(state.handles),
+        "offered": list(state.desc.owner.transports),
+    }

@@ -24,8 +24,19 @@ from tensorwire.transport.packing import ByteSink, iter_stream_chunks
 from tests.helpers.tasks import digest
 from tests.transport.test_control import METHODS, _code_and_details, _raw_call
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
-          torch.int64, torch.uint8, torch.bool, torch.complex64]  # fmt: skip
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 @st.composite
@@ -86,9 +97,12 @@ def test_wire_messages_parse_or_raise_decode_error(data, name):
 
 @settings(max_examples=100, deadline=None)
 @given(
-    object_id=st.binary(max_size=32), token=st.binary(max_size=32), pin=st.binary(max_size=16),
-    kind=st.integers(-5, 10), cut=st.integers(0, 200),
-)  # fmt: skip
+    object_id=st.binary(max_size=32),
+    token=st.binary(max_size=32),
+    pin=st.binary(max_size=16),
+    kind=st.integers(-5, 10),
+    cut=st.integers(0, 200),
+)
 def test_truncated_holder_batches_never_crash_the_parser(object_id, token, pin, kind, cut):
     """A cut batch either fails to parse with ``DecodeError`` or parses to at most the two ops
     it held, each one of them intact or a prefix of the original's fields (never garbage)."""

@@ -60,9 +60,9 @@ def test_the_hidden_hook_runs_only_registered_hooks():
     for key in refused:
         with pytest.raises(ValueError, match="not a tensorwire hook"):
             _tw_hook(object(), key, "echo hi")
-    from tensorwire.collectives import group
+    from tensorwire.collectives import groups
 
-    assert hook_key(group.leave) == HookKey("tensorwire.collectives.group", "leave")
+    assert hook_key(groups.leave) == HookKey("tensorwire.collectives.groups", "leave")
     assert _tw_hook(object(), ("tensorwire.collectives.group", "leave"), "no-such-group") is False  # it ran
     with pytest.raises(ValueError, match="not a registered actor hook"):
-        hook_key(group.get_group)
+        hook_key(groups.get_group)

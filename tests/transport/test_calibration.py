@@ -32,8 +32,17 @@ CUDA = frozenset({MemoryKind.CUDA})
 
 def node_peer(agent: str, links: tuple[tuple[str, str, str], ...] = ()) -> PeerInfo:
     gpus = tuple(DeviceInfo("cuda", i, uuid=f"GPU-n1-{i}") for i in range(8))
-    return PeerInfo(agent_id=agent, node_id="n1", machine_id="m1", hostname="h", pid=1, start_time=1,
-                    transports=tuple(CAPS), devices=(DeviceInfo("cpu", 0), *gpus), gpu_links=links)  # fmt: skip
+    return PeerInfo(
+        agent_id=agent,
+        node_id="n1",
+        machine_id="m1",
+        hostname="h",
+        pid=1,
+        start_time=1,
+        transports=tuple(CAPS),
+        devices=(DeviceInfo("cpu", 0), *gpus),
+        gpu_links=links,
+    )
 
 
 def gpu_value(src: int, dst: int) -> ObjectSummary:
@@ -110,8 +119,12 @@ def test_bench_calibrate_writes_a_table_that_agents_use(tmp_path):
     env = {**os.environ, "TENSORWIRE_COSTS_FILE": path, "TENSORWIRE_HOST": "127.0.0.1"}
     run = subprocess.run(
         [sys.executable, "-m", "tensorwire", "bench", "--calibrate", "-e", str(1 << 20), "-n", "2"],
-        env=env, capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr
     costs = calibration.load_costs(path)
     assert {"shm", "host", "gloo", "ucx"} <= set(costs)

@@ -209,8 +209,14 @@ def test_a_late_or_repeated_holder_batch_is_dropped(agent):
     ref = tw.put(torch.arange(1000))
     object_id, token = ref._desc.object_id, ref._desc.token
     me = agent.peer
-    sender = messages["Peer"](agent_id="late-sender", node_id=me.node_id, machine_id=me.machine_id,
-                              hostname=me.hostname, pid=os.getpid(), start_time=me.start_time)  # fmt: skip
+    sender = messages["Peer"](
+        agent_id="late-sender",
+        node_id=me.node_id,
+        machine_id=me.machine_id,
+        hostname=me.hostname,
+        pid=os.getpid(),
+        start_time=me.start_time,
+    )
 
     def batch(kind: HolderOpKind, seq: int) -> tuple[int, int]:
         op = messages["HolderOp"](kind=int(kind), object_id=object_id, token=token)

@@ -46,8 +46,16 @@ def gpus(node: str, count: int = 8, visible: list[int] | None = None) -> tuple[D
 
 
 def peer(agent: str, node: str, devices: tuple[DeviceInfo, ...]) -> PeerInfo:
-    return PeerInfo(agent_id=agent, node_id=node, machine_id=node, hostname=node, pid=1, start_time=1,
-                    transports=tuple(CAPS), devices=devices)  # fmt: skip
+    return PeerInfo(
+        agent_id=agent,
+        node_id=node,
+        machine_id=node,
+        hostname=node,
+        pid=1,
+        start_time=1,
+        transports=tuple(CAPS),
+        devices=devices,
+    )
 
 
 def cuda_object(src: str, dst: str | None, nbytes: int = 64 << 20) -> ObjectSummary:

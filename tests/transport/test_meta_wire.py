@@ -36,8 +36,11 @@ def test_a_descriptor_round_trips_and_a_layout_seen_before_decodes_to_the_same_m
 def test_facts_name_bytes_memory_and_gpus():
     host = _metas(4)
     assert metadata.facts(host) == (256, frozenset({MemoryKind.HOST}), frozenset(), False)
-    mixed = (*host, TensorMeta((4,), "uint8", "cuda:0", 4, 256, TensorKind.DLPACK, "GPU-a"),
-             TensorMeta((4,), "uint8", "cuda:1", 4, 260, TensorKind.TORCH, "GPU-b"))  # fmt: skip
+    mixed = (
+        *host,
+        TensorMeta((4,), "uint8", "cuda:0", 4, 256, TensorKind.DLPACK, "GPU-a"),
+        TensorMeta((4,), "uint8", "cuda:1", 4, 260, TensorKind.TORCH, "GPU-b"),
+    )
     facts = metadata.facts(mixed)
     assert facts.nbytes == 264 and facts.memory == {MemoryKind.HOST, MemoryKind.CUDA}
     assert facts.src_devices == {"GPU-a", "GPU-b"} and facts.foreign_memory
@@ -52,8 +55,10 @@ def test_memos_stay_bounded_in_entries_and_in_tensors_and_answer_right_after_bei
         assert decoded.metas == metas and metadata.facts(decoded.metas).nbytes == sum(m.nbytes for m in metas)
     for memo in (metadata._rows_of, metadata._metas_of, metadata._facts_of):
         assert 0 < len(memo.entries) <= metadata.MEMO_SIZE
-        assert sum(len(key) if isinstance(key, tuple) else len(value[0]) for key, value in memo.entries.items()) \
-            <= metadata.MEMO_TENSORS  # fmt: skip
+        assert (
+            sum(len(key) if isinstance(key, tuple) else len(value[0]) for key, value in memo.entries.items())
+            <= metadata.MEMO_TENSORS
+        )
 
 
 @pytest.mark.parametrize(

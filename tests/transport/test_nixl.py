@@ -294,12 +294,34 @@ def _push_specs(workers: list[Worker], tensors: int, sync_id: str, transport: st
     layout = tuple(HeldParam(f"w{i}", (1 << 16,), "float32", Box.full((1 << 16,))) for i in range(tensors))
     plan = plan_sync([layout], [layout])
     descriptions = tuple(w.call("tests.collectives.standalone:describe") for w in workers)
-    roles, buckets = assign_roles(plan, [0], trainer_layouts=[layout], receiver_layouts=[layout],
-                                  descriptions=list(descriptions), bucket_bytes=1 << 20)  # fmt: skip
-    specs = [[PushSpec(sync_id=sync_id, name="weights", version=v, channel=f"tw-sync-{sync_id}-{v}",
-                       members=descriptions, rank=rank, where="weights", layout=layout, roles=roles[rank],
-                       verify=True, transport=transport, timeout_s=60.0) for v in versions]
-             for rank in (0, 1)]  # fmt: skip
+    roles, buckets = assign_roles(
+        plan,
+        [0],
+        trainer_layouts=[layout],
+        receiver_layouts=[layout],
+        descriptions=list(descriptions),
+        bucket_bytes=1 << 20,
+    )
+    specs = [
+        [
+            PushSpec(
+                sync_id=sync_id,
+                name="weights",
+                version=v,
+                channel=f"tw-sync-{sync_id}-{v}",
+                members=descriptions,
+                rank=rank,
+                where="weights",
+                layout=layout,
+                roles=roles[rank],
+                verify=True,
+                transport=transport,
+                timeout_s=60.0,
+            )
+            for v in versions
+        ]
+        for rank in (0, 1)
+    ]
     return specs, plan, buckets
 
 
@@ -387,25 +409,25 @@ def test_the_registration_cache_trims_only_past_its_capacity_and_only_unused_ent
     from collections import OrderedDict
     from types import SimpleNamespace
 
-    from tensorwire.transport.backends.nixl.transport import _Agent, _Reg
+    from tensorwire.transport.backends.nixl.agent import NixlAgent, Registration
 
     dropped: list[int] = []
     cache = SimpleNamespace(capacity=4, regs=OrderedDict())
     cache._drop = lambda reg: (dropped.append(reg.rid), cache.regs.pop(reg.key))
 
     def add(rid: int, users: int) -> None:
-        cache.regs[(rid, 1, False, 0)] = _Reg(rid, (rid, 1, False, 0), None, None, users)
+        cache.regs[(rid, 1, False, 0)] = Registration(rid, (rid, 1, False, 0), None, None, users)
 
     for rid in range(3):
         add(rid, 0)
-    _Agent._trim(cache)
+    NixlAgent._trim(cache)
     assert dropped == []  # under the capacity: nothing goes
     add(3, 1)
     add(4, 0)
     add(5, 0)
-    _Agent._trim(cache)
+    NixlAgent._trim(cache)
     assert dropped == [0, 1] and len(cache.regs) == 4  # the oldest unused ones, down to the capacity
     for rid in (6, 7):
         add(rid, 1)
-    _Agent._trim(cache)
+    NixlAgent._trim(cache)
     assert dropped == [0, 1, 2, 4] and list(r.rid for r in cache.regs.values()) == [3, 5, 6, 7]

@@ -76,9 +76,13 @@ def _peer(name: str) -> PeerInfo:
 
 def _outbox(owners: _Owners, *, alive=lambda peer: True, retry_for_s=lambda peer: 60.0, sender=lambda: None):
     return Outbox(
-        owners, sender=sender, address=lambda peer: peer.agent_id, may_be_alive=alive,
-        retry_for_s=retry_for_s, rpc_timeout_s=10.0,
-    )  # fmt: skip
+        owners,
+        sender=sender,
+        address=lambda peer: peer.agent_id,
+        may_be_alive=alive,
+        retry_for_s=retry_for_s,
+        rpc_timeout_s=10.0,
+    )
 
 
 def _wait_for(condition, timeout_s: float = 60.0) -> None:

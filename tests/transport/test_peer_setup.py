@@ -86,8 +86,11 @@ def test_concurrent_first_fetches_load_once():
 def test_failures_are_clear_and_not_cached():
     context = _Context()
     setup, transport = PeerSetup(context), Fake(context, fail=1)
-    with pytest.raises(TransportUnavailableError, match=r"fake: loading the connection info of agent owner failed: "
-                       r"OSError: metadata rejected"):  # fmt: skip
+    with pytest.raises(
+        TransportUnavailableError,
+        match=r"fake: loading the connection info of agent owner failed: "
+        r"OSError: metadata rejected",
+    ):
         setup.ensure(transport, OWNER)
     setup.ensure(transport, OWNER)  # tried again, and now it loads
     assert transport.loads == [("owner", "owner-info")]

@@ -36,18 +36,33 @@ def _transport(caps: Capabilities, **methods) -> type[Transport]:
 @pytest.mark.parametrize(
     ("caps", "method", "capability"),
     [
-        (Capabilities(one_sided=True, same_process=False, same_node=True, cross_node=False, needs_export=True),
-         "export", "needs_export=True"),
-        (Capabilities(one_sided=False, same_process=False, same_node=True, cross_node=True),
-         "serve", "one_sided=False"),
-        (Capabilities(one_sided=True, same_process=True, same_node=False, cross_node=False, zero_copy_view=True),
-         "view", "zero_copy_view=True"),
-        (Capabilities(one_sided=True, same_process=False, same_node=True, cross_node=True, peer_setup=True),
-         "load_peer", "peer_setup=True"),
-        (Capabilities(one_sided=True, same_process=False, same_node=True, cross_node=True, carries_value=True),
-         "export", "carries_value=True"),
+        (
+            Capabilities(one_sided=True, same_process=False, same_node=True, cross_node=False, needs_export=True),
+            "export",
+            "needs_export=True",
+        ),
+        (
+            Capabilities(one_sided=False, same_process=False, same_node=True, cross_node=True),
+            "serve",
+            "one_sided=False",
+        ),
+        (
+            Capabilities(one_sided=True, same_process=True, same_node=False, cross_node=False, zero_copy_view=True),
+            "view",
+            "zero_copy_view=True",
+        ),
+        (
+            Capabilities(one_sided=True, same_process=False, same_node=True, cross_node=True, peer_setup=True),
+            "load_peer",
+            "peer_setup=True",
+        ),
+        (
+            Capabilities(one_sided=True, same_process=False, same_node=True, cross_node=True, carries_value=True),
+            "export",
+            "carries_value=True",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_missing_method_is_named_with_its_capability(caps, method, capability):
     cls = _transport(caps)
     with pytest.raises(TransportContractError, match=rf"method '{method}' \(required by {capability}\)"):

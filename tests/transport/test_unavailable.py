@@ -14,8 +14,9 @@ from tensorwire.transport.contract import FetchRequest
 
 def _request(ref: tw.Ref, handle: bytes | None) -> FetchRequest:
     desc = ref._desc
-    return FetchRequest(desc.object_id, desc.token, desc.owner, desc.metas, desc.packed_nbytes, handle,
-                        time.monotonic() + 10)  # fmt: skip
+    return FetchRequest(
+        desc.object_id, desc.token, desc.owner, desc.metas, desc.packed_nbytes, handle, time.monotonic() + 10
+    )
 
 
 def test_inline_fetch_of_a_reference_without_inline_data(agent):

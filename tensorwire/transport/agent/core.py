@@ -227,6 +227,9 @@ class Agent(TransportContext, AgentServices):
         (made once per object; see :meth:`ObjectStore.export_handles`)."""
         return self._store.export_handles(desc)
 
+    def export_nbytes(self, desc: ObjectDescriptor) -> int:
+        return self._store.export_nbytes(desc)
+
     def described_now(self, desc: ObjectDescriptor) -> ObjectDescriptor:
         """Producer: ``desc`` naming this process as it is now, with the connection info its
         transports published since ``put`` (nixl's agent metadata, once its agent is made)."""
@@ -319,10 +322,6 @@ class Agent(TransportContext, AgentServices):
             raise ObjectFreedError(f"object {request.object_id.hex()} was freed by its owner (agent {owner.agent_id})")
 
     # ------------------------------------------------------------------ rendezvous mailbox
-
-    def rendezvous_set(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
-        self._mailbox.put(group, key, value)
-        self.rendezvous_push(peer, group, key, value, timeout_s=timeout_s)
 
     def rendezvous_push(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
         if peer.agent_id == self._peer.agent_id:

@@ -231,16 +231,20 @@ class Outbox:
             reason = f"no answer for {silent_s:.0f} s" if code in _NO_ANSWER else "it refused them"
             logger.warning(
                 "could not deliver %d holder messages to agent %s: %s (%s)",
-                lane.count(), answer.agent_id, reason, code.name if code else repr(error),
-            )  # fmt: skip
+                lane.count(),
+                answer.agent_id,
+                reason,
+                code.name if code else repr(error),
+            )
             self._drop(lane)
         else:
             if silent_s >= _WARN_SILENT_S and not lane.warned:
                 lane.warned = True
                 logger.warning(
                     "holder messages to agent %s unanswered for %.0f s; still trying while it may be alive",
-                    answer.agent_id, silent_s,
-                )  # fmt: skip
+                    answer.agent_id,
+                    silent_s,
+                )
             lane.tries += 1
             lane.retry_at = now + min(_MAX_PAUSE_S, 0.05 * 2 ** min(lane.tries, 6))
 

@@ -24,7 +24,6 @@ __all__ = ["PeerSetup"]
 logger = logging.getLogger(__name__)
 
 
-
 class PeerSetup:
     """One agent's loaded peers per transport; thread-safe, one load per key at a time."""
 

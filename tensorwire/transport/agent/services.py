@@ -69,6 +69,10 @@ class AgentServices(ABC):
         transports published since the object was registered)."""
 
     @abstractmethod
+    def export_nbytes(self, desc: ObjectDescriptor) -> int:
+        """Producer: the bytes the transports hold for the object's exports beyond its tensors."""
+
+    @abstractmethod
     def free(self, desc: ObjectDescriptor, *, timeout_s: float | None = None) -> None:
         """Any process: free the object now at its owner. Idempotent; a dead owner is a
         no-op. Blocks for the owner's answer (at most ``timeout_s``)."""
@@ -138,6 +142,12 @@ class AgentServices(ABC):
     ) -> Callable[[], None]:
         """Start :meth:`rendezvous_push`; the returned function blocks until it is done and
         raises its error (a sender tells several peers at once)."""
+
+    @abstractmethod
+    def rendezvous_get(self, group: str, key: str, *, timeout_s: float) -> bytes:
+        """The value of ``key`` of ``group`` once here, left in place (a store's key).
+
+        Raises ``TransferTimeoutError`` after ``timeout_s``."""
 
     @abstractmethod
     def rendezvous_take(self, group: str, key: str, *, timeout_s: float) -> bytes:

@@ -157,6 +157,13 @@ class ObjectStore:
                 entry.handles = self._export_all(entry)
             return dict(entry.handles)
 
+    def export_nbytes(self, desc: ObjectDescriptor) -> int:
+        """Producer: the bytes the transports hold for the exports of ``desc``'s object."""
+        entry = self.owned(desc)
+        if entry is None:
+            return 0
+        return sum(t.export_nbytes(entry.stored) for t in self._transports.usable().values())
+
     def _export_all(self, entry: Entry) -> dict[str, bytes]:
         handles: dict[str, bytes] = {}
         memory = {m.memory for m in entry.stored.metas}

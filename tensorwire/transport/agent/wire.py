@@ -70,37 +70,71 @@ _SCALARS = {"string": _F.TYPE_STRING, "bytes": _F.TYPE_BYTES, "int32": _F.TYPE_I
 
 # message name -> [(field name, type, repeated)]; field numbers follow the order.
 _SCHEMA: dict[str, list[tuple[str, str, bool]]] = {
-    "Device": [("kind", "string", False), ("index", "int32", False), ("uuid", "string", False),
-               ("pci_bus_id", "string", False)],
-    "Peer": [("agent_id", "string", False), ("node_id", "string", False), ("machine_id", "string", False),
-             ("hostname", "string", False), ("pid", "int64", False), ("start_time", "int64", False),
-             ("unix_address", "string", False), ("tcp_address", "string", False),
-             ("transports", "string", True), ("devices", "Device", True), ("gpu_links", "GpuLink", True),
-             ("transport_info", "TransportInfo", True)],
+    "Device": [
+        ("kind", "string", False),
+        ("index", "int32", False),
+        ("uuid", "string", False),
+        ("pci_bus_id", "string", False),
+    ],
+    "Peer": [
+        ("agent_id", "string", False),
+        ("node_id", "string", False),
+        ("machine_id", "string", False),
+        ("hostname", "string", False),
+        ("pid", "int64", False),
+        ("start_time", "int64", False),
+        ("unix_address", "string", False),
+        ("tcp_address", "string", False),
+        ("transports", "string", True),
+        ("devices", "Device", True),
+        ("gpu_links", "GpuLink", True),
+        ("transport_info", "TransportInfo", True),
+    ],
     "GpuLink": [("a", "string", False), ("b", "string", False), ("kind", "string", False)],
     "TransportInfo": [("name", "string", False), ("info", "string", False)],
     "PingRequest": [("sender", "Peer", False)],
     "PingReply": [("peer", "Peer", False)],
     "ObjectRequest": [("object_id", "bytes", False), ("token", "bytes", False)],
     "StatusReply": [("state", "int32", False)],
-    "HolderOp": [("kind", "int32", False), ("object_id", "bytes", False), ("token", "bytes", False),
-                 ("pin_id", "bytes", False)],
+    "HolderOp": [
+        ("kind", "int32", False),
+        ("object_id", "bytes", False),
+        ("token", "bytes", False),
+        ("pin_id", "bytes", False),
+    ],
     "HolderBatch": [("sender", "Peer", False), ("ops", "HolderOp", True), ("seq", "int64", False)],
     "HolderReply": [("applied", "int32", False), ("rejected", "int32", False)],
     "ExportReply": [("handle", "bytes", False), ("info", "string", False)],
-    "TransferRequest": [("object_id", "bytes", False), ("token", "bytes", False), ("transport", "string", False),
-                        ("params", "bytes", False), ("sender", "Peer", False)],
+    "TransferRequest": [
+        ("object_id", "bytes", False),
+        ("token", "bytes", False),
+        ("transport", "string", False),
+        ("params", "bytes", False),
+        ("sender", "Peer", False),
+    ],
     "ConnectRequest": [("transport", "string", False), ("sender", "Peer", False), ("payload", "bytes", False)],
     "ConnectReply": [("payload", "bytes", False)],
     "RendezvousRequest": [("group", "string", False), ("key", "string", False), ("value", "bytes", False)],
     "RendezvousReply": [],
-    "TensorMeta": [("shape", "int64", True), ("dtype", "string", False), ("device", "string", False),
-                   ("nbytes", "int64", False), ("offset", "int64", False), ("kind", "string", False),
-                   ("device_uuid", "string", False)],
+    "TensorMeta": [
+        ("shape", "int64", True),
+        ("dtype", "string", False),
+        ("device", "string", False),
+        ("nbytes", "int64", False),
+        ("offset", "int64", False),
+        ("kind", "string", False),
+        ("device_uuid", "string", False),
+    ],
     "Handle": [("transport", "string", False), ("value", "bytes", False)],
-    "Announcement": [("object_id", "bytes", False), ("token", "bytes", False), ("owner", "Peer", False),
-                     ("metas", "TensorMeta", True), ("packed_nbytes", "int64", False), ("handles", "Handle", True)],
-}  # fmt: skip
+    "Announcement": [
+        ("object_id", "bytes", False),
+        ("token", "bytes", False),
+        ("owner", "Peer", False),
+        ("metas", "TensorMeta", True),
+        ("packed_nbytes", "int64", False),
+        ("handles", "Handle", True),
+    ],
+}
 
 _PACKAGE = "tensorwire.control.v1"
 
@@ -238,6 +272,7 @@ def decode_announcement(data: bytes) -> tuple[ObjectDescriptor, dict[str, bytes]
         )
     except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, or a bad enum value
         raise ValueError(f"malformed announcement: {e}") from None
-    desc = ObjectDescriptor(message.object_id, message.token, decode_peer(message.owner), metas,
-                            int(message.packed_nbytes))  # fmt: skip
+    desc = ObjectDescriptor(
+        message.object_id, message.token, decode_peer(message.owner), metas, int(message.packed_nbytes)
+    )
     return desc, {h.transport: h.value for h in message.handles}

@@ -36,24 +36,16 @@ from tensorwire.transport.hw import topology
 from tensorwire.transport.process_groups import (
     CONSUMER_RANK,
     PRODUCER_RANK,
-    GroupOps,
+    NcclWorks,
     PairGroupTransport,
     abort_group,
     post_ops,
 )
 from tensorwire.transport.two_sided import Connection, PostedOps
 
-__all__ = ["NcclTransport", "NcclWorks"]
+__all__ = ["NcclTransport"]
 
 _GROUP_TIMEOUT = datetime.timedelta(hours=6)  # tensorwire aborts long before
-
-
-class NcclWorks(GroupOps):
-    def poll(self) -> bool:
-        try:
-            return all(work.is_completed() for work in self._works)
-        except RuntimeError as e:
-            raise TransportError(f"nccl operation failed: {e}") from None
 
 
 class NcclTransport(PairGroupTransport):
@@ -71,6 +63,13 @@ class NcclTransport(PairGroupTransport):
     )
     cost_model = CostModel.uniform(fixed_us=1500, bandwidth_gbps=200.0)  # unverified until measured on GPUs
     ordered = True
+
+    @classmethod
+    def library_status(cls) -> str:
+        if not torch.cuda.is_available():
+            return "NCCL: no CUDA device"
+        version = torch.cuda.nccl.version()
+        return "NCCL " + (".".join(str(v) for v in version) if isinstance(version, tuple) else str(version))
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():

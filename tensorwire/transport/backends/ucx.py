@@ -33,7 +33,7 @@ import torch
 
 from tensorwire.errors import TransportError
 from tensorwire.transport.config import UCX_ENVIRONMENT_LOCK
-from tensorwire.transport.contract import Capabilities, CostModel, MemoryKind, PeerInfo
+from tensorwire.transport.contract import Capabilities, CostModel, Diagnosis, Health, MemoryKind, PeerInfo
 from tensorwire.transport.hw import topology
 from tensorwire.transport.shutdown import CLOSE_TIMEOUT_S
 from tensorwire.transport.two_sided import Connection, PostedOps, TwoSidedTransport
@@ -187,6 +187,31 @@ class UcxTransport(TwoSidedTransport):
         super().__init__(context)
         self._worker: _Worker | None = None
         self._worker_lock = threading.Lock()
+
+    @classmethod
+    def library_status(cls) -> str:
+        if importlib.util.find_spec("ucxx") is None:
+            return "ucxx not installed (pip install 'tensorwire[ucx]')"
+        return "ucxx importable"
+
+    def diagnose(self) -> list[Diagnosis]:
+        """Which UCX transports this process's worker has, and what is missing for fast
+        cross-node paths."""
+        try:
+            active = self.worker().transports
+        except TransportError as e:
+            return [Diagnosis("UCX transports", Health.FAIL, str(e))]
+        line = ", ".join(active)
+        if not set(active) & {"rc", "rc_mlx5", "rc_verbs", "ud", "ud_mlx5", "ud_verbs", "dc", "dc_mlx5"}:
+            return [
+                Diagnosis(
+                    "UCX transports",
+                    Health.WARN,
+                    f"{line}; no InfiniBand/RoCE: across nodes UCX uses TCP "
+                    "(a system UCX built with verbs is used with RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true)",
+                )
+            ]
+        return [Diagnosis("UCX transports", Health.OK, line)]
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("ucxx") is None:

@@ -174,12 +174,20 @@ VENDORS: dict[str, Vendor] = {
     v.name: v
     for v in (
         Vendor(
-            "nvidia", "GPU", ("CUDA_VISIBLE_DEVICES",), torch_device="cuda", fractional=True,
+            "nvidia",
+            "GPU",
+            ("CUDA_VISIBLE_DEVICES",),
+            torch_device="cuda",
+            fractional=True,
             id_form="index, GPU-<uuid> or MIG-<uuid>",
         ),
         Vendor("amd", "GPU", ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"), torch_device="cuda", fractional=True),
         Vendor(
-            "intel_gpu", "GPU", ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR"), torch_device="xpu", fractional=True,
+            "intel_gpu",
+            "GPU",
+            ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR"),
+            torch_device="xpu",
+            fractional=True,
             id_form="N or N.M (sub-device M of N); ONEAPI_DEVICE_SELECTOR as level_zero:N,...",
             env_parsers=(("ONEAPI_DEVICE_SELECTOR", parse_oneapi_selector),),
         ),
@@ -190,12 +198,15 @@ VENDORS: dict[str, Vendor] = {
         Vendor("rebellions", "RBLN", ("RBLN_DEVICES",)),
         Vendor("metax", "GPU", ("CUDA_VISIBLE_DEVICES",), torch_device="cuda", fractional=True),
         Vendor(
-            "furiosa", "FURIOSA", ("FURIOSA_DEVICES",), parse=parse_furiosa,
+            "furiosa",
+            "FURIOSA",
+            ("FURIOSA_DEVICES",),
+            parse=parse_furiosa,
             id_form="npu:X (device X), npu:X:Y (PE Y of it) or npu:X:Y-Z (PEs Y to Z fused)",
         ),
         Vendor("mobilint", "MBLT", ("QBRUNTIME_VISIBLE_DEVICES",)),
     )
-}  # fmt: skip
+}
 
 
 def deciding_variable(vendor: Vendor, environ: Mapping[str, str] | None = None) -> str:

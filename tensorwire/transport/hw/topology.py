@@ -9,7 +9,6 @@ import contextlib
 import functools
 import os
 import socket
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from tensorwire.errors import DeviceUnavailableError
@@ -295,12 +294,14 @@ def _rdma_nics() -> list[dict[str, object]]:
         except OSError:
             port_names = []
         for port in port_names:
-            ports.append({
-                "port": port,
-                "state": _read(f"{base}/{name}/ports/{port}/state"),
-                "link_layer": _read(f"{base}/{name}/ports/{port}/link_layer"),
-                "rate": _read(f"{base}/{name}/ports/{port}/rate"),
-            })  # fmt: skip
+            ports.append(
+                {
+                    "port": port,
+                    "state": _read(f"{base}/{name}/ports/{port}/state"),
+                    "link_layer": _read(f"{base}/{name}/ports/{port}/link_layer"),
+                    "rate": _read(f"{base}/{name}/ports/{port}/rate"),
+                }
+            )
         nics.append({"name": name, "numa_node": _read(f"{base}/{name}/device/numa_node"), "ports": ports})
     return nics
 
@@ -343,85 +344,6 @@ def _nvidia(visible: list[str] | None) -> dict[str, object]:
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-
-
-def _transport_libraries() -> dict[str, str]:
-    """Which optional transport libraries import here, with versions or the reason not."""
-    import importlib.util
-
-    found: dict[str, str] = {}
-    found["ucxx"] = (
-        "importable" if importlib.util.find_spec("ucxx") else "not installed (pip install 'tensorwire[ucx]')"
-    )
-    found["nixl"] = _nixl_library()
-    try:
-        import torch
-        import torch.distributed as dist
-
-        found["gloo"] = "available" if dist.is_available() and dist.is_gloo_available() else "not built into torch"
-        if torch.cuda.is_available():
-            version = torch.cuda.nccl.version()
-            found["nccl"] = ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
-        else:
-            found["nccl"] = "no CUDA device"
-    except Exception as e:  # noqa: BLE001 - discovery never fails the caller
-        found["torch"] = f"unavailable: {e}"
-    return found
-
-
-def _nixl_wheels() -> Iterator[tuple[str, str]]:
-    """(module, its wheel's bundled-libraries folder) of each installed NIXL wheel, cu12 first."""
-    from importlib import util
-
-    for module in ("nixl_cu12", "nixl_cu13"):
-        spec = util.find_spec(module)
-        if spec is not None and spec.origin:
-            yield module, os.path.join(os.path.dirname(os.path.dirname(spec.origin)), f"{module}.libs")
-
-
-def _nixl_library() -> str:
-    """The installed NIXL wheel, its backend plug-ins and its bundled UCX's modules (files only:
-    nothing is imported, no agent made)."""
-    from importlib import metadata
-
-    for module, libs in _nixl_wheels():
-        dist = module.replace("_", "-")
-        names = os.listdir(libs + "/nixl") if os.path.isdir(libs + "/nixl") else []
-        plugins = sorted(n[len("libplugin_") : -3] for n in names if n.startswith("libplugin_") and n.endswith(".so"))
-        ucx = os.listdir(libs + "/ucx") if os.path.isdir(libs + "/ucx") else []
-        modules = sorted({n[len("libuct_") :].split(".")[0] for n in ucx if n.startswith("libuct_")})
-        version = metadata.version(dist)
-        return f"{dist} {version}; plugins {', '.join(plugins) or '?'}; UCX modules {', '.join(modules) or '?'}"
-    return "not installed (pip install 'tensorwire[nixl]' or nixl-cu12)"
-
-
-def nixl_verbs_devices() -> list[str] | str:
-    """The RDMA devices the verbs library bundled in the NIXL wheel lists (what its UCX's ``ib``
-    transports would open), or why it lists none. Opens no device. Unverified on a machine
-    with RDMA devices (the build VM has none)."""
-    import ctypes
-    import glob
-
-    for module, libs in _nixl_wheels():
-        found = sorted(glob.glob(os.path.join(libs, "libibverbs*.so*")))
-        if not found:
-            return f"{module} bundles no libibverbs"
-        try:
-            verbs = ctypes.CDLL(found[0], use_errno=True)
-        except OSError as e:
-            return f"its libibverbs does not load ({e})"
-        verbs.ibv_get_device_list.restype = ctypes.POINTER(ctypes.c_void_p)
-        verbs.ibv_get_device_list.argtypes = [ctypes.POINTER(ctypes.c_int)]
-        verbs.ibv_get_device_name.restype, verbs.ibv_get_device_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-        count = ctypes.c_int(0)
-        devices = verbs.ibv_get_device_list(ctypes.byref(count))
-        if not devices:
-            return f"its libibverbs lists no device ({os.strerror(ctypes.get_errno()) or 'none found'})"
-        try:
-            return [verbs.ibv_get_device_name(devices[i]).decode() for i in range(count.value)]
-        finally:
-            verbs.ibv_free_device_list(devices)
-    return "NIXL is not installed"
 
 
 def describe_node() -> dict[str, object]:
@@ -467,5 +389,4 @@ def describe_node() -> dict[str, object]:
         "accelerators": accelerators,
         "rdma_nics": nics,
         "gpudirect_rdma": _gpudirect_rdma(),
-        "transport_libraries": _transport_libraries(),
     }

@@ -45,11 +45,14 @@ import torch
 
 from tensorwire.errors import TransportError, TransportUnavailableError
 from tensorwire.transport.backends.shm import cma, memfd, segment_reuse
+from tensorwire.transport.backends.shm.staging import RingReader, StagingRing
 from tensorwire.transport.config import socket_dir
 from tensorwire.transport.contract import (
     Capabilities,
     CostModel,
+    Diagnosis,
     FetchRequest,
+    Health,
     StoredObject,
     TensorMeta,
     Transport,
@@ -73,7 +76,13 @@ class ShmTransport(Transport):
 
     name = "shm"
     capabilities = Capabilities(
-        one_sided=True, same_process=False, same_node=True, cross_node=False, needs_export=True, zero_copy_view=True
+        one_sided=True,
+        same_process=False,
+        same_node=True,
+        cross_node=False,
+        needs_export=True,
+        zero_copy_view=True,
+        staging_rings=True,
     )
     cost_model = CostModel.uniform(fixed_us=60, bandwidth_gbps=5.0)  # measured on the 2-core build VM
 
@@ -87,6 +96,19 @@ class ShmTransport(Transport):
         self._direct: collections.OrderedDict[tuple[bytes, bytes], cma.DirectRead] = collections.OrderedDict()
         self.copy_threads = COPY_THREADS
         self.segments = segment_reuse.SegmentCache()  # unchanged tensors returned again share one
+
+    def diagnose(self) -> list[Diagnosis]:
+        """Segments are anonymous (``/dev/shm``'s size does not limit them); whether the kernel
+        allows direct reads (one copy per fetch)."""
+        direct = cma.unavailable_reason()
+        return [
+            Diagnosis("shared memory", Health.OK, "anonymous segments (memfd_create); /dev/shm is not used"),
+            Diagnosis(
+                "shm direct reads",
+                Health.OK if direct is None else Health.WARN,
+                direct or "process_vm_readv allowed: one copy per shm fetch",
+            ),
+        ]
 
     def unavailable_reason(self) -> str | None:
         """Any process: usable where ``memfd_create`` and descriptor passing exist (Linux)."""
@@ -128,6 +150,19 @@ class ShmTransport(Transport):
             raise
         obj.transport_state[self.name] = (server, [(fd, live_offset)], None)
         return server.path.encode()
+
+    def export_nbytes(self, obj: StoredObject) -> int:
+        """Producer: the object's segment, once made (with direct reads, on first request)."""
+        state = obj.transport_state.get(self.name)
+        return obj.packed_nbytes if isinstance(state, tuple) and state[1] else 0
+
+    def staging_ring(self, slot_nbytes: int, slots: int = 2) -> StagingRing:
+        """Writer: a ring of anonymous segments this process's descriptor server hands out."""
+        return StagingRing(self.context.peer, slot_nbytes, slots)
+
+    def ring_reader(self) -> RingReader:
+        """Reader on the writer's node: keeps its mappings of ring slots until closed."""
+        return RingReader()
 
     def release(self, obj: StoredObject) -> None:
         """Producer: mark the object freed and withdraw it; mappings consumers hold stay valid."""

@@ -1,0 +1,273 @@
+"""This process's one NIXL agent (made on first use): its registrations of local memory, cached
+per storage and dropped once their memory is freed; the liveness slots of exported objects; the
+remote agents and partial metadata it loaded; READs kept until NIXL says they ended."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tensorwire.errors import TransportError, TransportUnavailableError
+from tensorwire.transport.backends.nixl.engine import BACKENDS_ENV, new_agent
+
+if TYPE_CHECKING:
+    from tensorwire.transport.backends.nixl.handles import Handle
+
+__all__ = [
+    "CACHE_ENV",
+    "SLOTS",
+    "NixlAgent",
+    "Registration",
+    "agent_name",
+    "existing_agent",
+    "process_agent",
+    "region",
+    "stats",
+]
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "TENSORWIRE_NIXL_CACHE"
+SLOTS = 4096  # liveness slots per process (objects exported and live at once)
+
+
+def region(tensor: Any) -> tuple[int, int, bool, int]:
+    """(address, bytes, is VRAM, device) of the storage ``tensor`` lives in."""
+    storage, cuda = tensor.untyped_storage(), tensor.device.type == "cuda"
+    return storage.data_ptr(), storage.nbytes(), cuda, (tensor.device.index or 0) if cuda else 0
+
+
+@dataclass
+class Registration:
+    rid: int
+    key: tuple[int, int, bool, int]
+    weak: Any  # torch StorageWeakRef: whether the registered memory still exists
+    descs: Any  # nixlRegDList
+    users: int = 0
+
+
+class NixlAgent:
+    """This process's one NIXL agent: registrations, liveness slots, loaded remote agents."""
+
+    def __init__(self, name: str) -> None:
+        import torch
+
+        self.nixl = new_agent(name)
+        if not self.nixl.backends:
+            raise TransportUnavailableError(
+                f"nixl: none of the backends in {BACKENDS_ENV} could be created; "
+                f"plug-ins available: {self.nixl.get_plugin_list()}"
+            )
+        self.name, self.lock, self.stopped, self.ids = name, threading.RLock(), threading.Event(), itertools.count(1)
+        self.capacity = max(16, int(os.environ.get(CACHE_ENV, "512")))
+        self.regs: OrderedDict[tuple[int, int, bool, int], Registration] = OrderedDict()
+        self.idle: dict[tuple, Registration] = {}  # users dropped to 0: checked for freed memory by _sweep
+        self.partials: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
+        self.remote: dict[str, set[int]] = {}  # remote agent name -> registration ids loaded
+        self.stuck: list[tuple[str, list, list, list, int]] = []  # kept READs: (owner, READs, memory, regs, slot)
+        self.stats = dict.fromkeys(
+            ("registered", "deregistered", "hits", "metadata_loads", "partial_loads", "leaked_handles"), 0
+        )
+        self.conn_md = self.nixl.get_agent_metadata()
+        # producer: the tags of live objects; consumer: where tags are read into
+        self.table, self.flags = (torch.zeros(SLOTS, dtype=torch.int64) for _ in range(2))
+        self.table_reg, self.flags_reg = self.acquire([self.table, self.flags])
+        self.table_np, self.flags_np = self.table.numpy(), self.flags.numpy()  # cheaper to index
+        self.free_table, self.free_flags = list(range(SLOTS)), list(range(SLOTS))
+        (sweeper := threading.Thread(target=self._sweep, name="tw-nixl-sweep", daemon=True)).start()
+        atexit.register(lambda: (self.stopped.set(), sweeper.join(timeout=2)))  # before NIXL goes at exit
+
+    def acquire(self, tensors: Sequence[Any]) -> list[Registration]:
+        """The registrations covering ``tensors``, each used once more (missing ones: one call per kind)."""
+        from tensorwire.transport.host_pool import liveness  # a pooled buffer's registration outlives one value
+
+        with self.lock:
+            found: dict[tuple, Registration | None] = {}
+            missing: dict[tuple, Any] = {}
+            for tensor in tensors:
+                key = region(tensor)
+                if key in found:
+                    continue
+                reg = self.regs.get(key)
+                if reg is not None and reg.users == 0 and reg.weak.expired():
+                    self._drop(reg)
+                    reg = None
+                found[key] = reg
+                if reg is None:
+                    missing[key] = tensor
+                else:
+                    self.stats["hits"] += 1
+                    self.regs.move_to_end(key)
+            for vram in (False, True):
+                if not (keys := [k for k in missing if k[2] is vram]):
+                    continue
+                mem = "VRAM" if vram else "DRAM"
+                self.nixl.register_memory([(k[0], k[1], k[3], "") for k in keys], mem)
+                for key in keys:  # one descriptor list per region, to deregister it alone
+                    descs = self.nixl.get_reg_descs([(key[0], key[1], key[3], "")], mem)
+                    weak = liveness(missing[key])
+                    found[key] = self.regs[key] = Registration(next(self.ids), key, weak, descs)
+                    self.stats["registered"] += 1
+            regs = [r for r in found.values() if r is not None]
+            for reg in regs:
+                reg.users += 1
+            self._trim()
+            return regs
+
+    def unuse(self, regs: Sequence[Registration]) -> None:
+        with self.lock:
+            for reg in regs:
+                reg.users -= 1
+            self.idle.update((r.key, r) for r in regs if r.users == 0)
+
+    def _sweep(self) -> None:
+        """Thread ``tw-nixl-sweep``, every 0.2 s until exit: settle kept READs, deregister idle freed memory."""
+        while not self.stopped.wait(0.2):
+            with self.lock:
+                self.settle()
+                for key, reg in list(self.idle.items()):
+                    if reg.users or self.regs.get(key) is not reg:
+                        del self.idle[key]
+                    elif reg.weak.expired():
+                        self._drop(reg)  # unlisted there too
+
+    def _trim(self) -> None:  # the least recently used unused registrations beyond the capacity go
+        excess = len(self.regs) - self.capacity
+        for reg in [r for r in self.regs.values() if r.users == 0][:excess] if excess > 0 else ():
+            self._drop(reg)
+
+    def _drop(self, reg: Registration) -> None:
+        self.regs.pop(reg.key, None)
+        self.idle.pop(reg.key, None)
+        try:
+            self.nixl.deregister_memory(reg.descs)
+            self.stats["deregistered"] += 1
+        except Exception as e:  # noqa: BLE001 - a failed deregistration leaks, never breaks a transfer
+            logger.warning("nixl: deregistering %d bytes at %#x failed: %s", reg.key[1], reg.key[0], e)
+
+    def partial_metadata(self, regs: Sequence[Registration]) -> list[bytes]:
+        """NIXL's metadata of exactly ``regs`` (one blob per memory kind), cached."""
+        key = tuple(sorted(r.rid for r in regs))
+        with self.lock:
+            cached = self.partials.get(key)
+            if cached is not None:
+                self.partials.move_to_end(key)
+                return cached
+            blobs = []
+            for vram in (False, True):
+                rows = [(r.key[0], r.key[1], r.key[3], "") for r in regs if r.key[2] is vram]
+                if rows:
+                    descs = self.nixl.get_reg_descs(rows, "VRAM" if vram else "DRAM")
+                    blobs.append(self.nixl.get_partial_agent_metadata(descs, False))
+            self.partials[key] = blobs
+            while len(self.partials) > 64:
+                self.partials.popitem(last=False)
+            return blobs
+
+    def load_connection(self, name: str, blob: bytes) -> None:
+        """Consumer: the agent ``name``'s metadata, once (still known while READs from it run)."""
+        with self.lock:
+            if name not in self.remote:
+                self._add_remote(name, blob)
+                self.stats["metadata_loads"] += 1
+                self.remote[name] = set()
+
+    def load_remote(self, handle: Handle) -> None:
+        """Consumer: the registrations a handle names that this process has not loaded yet."""
+        with self.lock:
+            if (known := self.remote.get(handle.name)) is None:
+                raise TransportError(f"nixl: agent {handle.name}'s metadata is not loaded here (forgotten as gone?)")
+            if not set(handle.rids) <= known:
+                for blob in handle.partials:
+                    self._add_remote(handle.name, blob)
+                self.stats["partial_loads"] += 1
+                known.update(handle.rids)
+
+    def _add_remote(self, expected: str, blob: bytes) -> None:
+        name = self.nixl.add_remote_agent(blob)
+        if (name := name.decode() if isinstance(name, bytes) else name) != expected:
+            raise TransportError(f"nixl: metadata said to be agent {expected}'s belongs to agent {name}")
+
+    def forget_remote(self, name: str) -> None:
+        with self.lock:  # kept READs from it still run (after a disconnect NIXL says ERR, yet they land)
+            if not any(e[0] == name for e in self.stuck) and self.remote.pop(name, None) is not None:
+                with contextlib.suppress(Exception):  # the peer is gone either way
+                    self.nixl.remove_remote_agent(name)
+
+    def settle(self) -> None:
+        """Release kept READs that ended: one past its deadline can still land (seen: SIGSEGV)."""
+        with self.lock:
+            for entry in [e for e in self.stuck if not any(self.running(x) for x in e[1])]:
+                self.stuck.remove(entry)
+                self.release(entry[1])
+                self.unuse(entry[3])
+                self.free_flags.append(entry[4])
+
+    def release(self, xfers: list) -> None:
+        """Release ended transfers' handles (``xfers`` is emptied)."""
+        while xfers:
+            try:
+                self.nixl.release_xfer_handle(xfers.pop())
+            except Exception as e:  # noqa: BLE001 - it ended: only its handle's memory is lost
+                self.stats["leaked_handles"] += 1
+                logger.warning("nixl: a transfer handle could not be released (%s)", e)
+
+    def running(self, xfer: Any) -> bool:
+        try:
+            return self.nixl.check_xfer_state(xfer) == "PROC"
+        except Exception:  # noqa: BLE001 - it ended in an error (its owner disconnected, say)
+            return False
+
+    def take(self, free: list[int]) -> int | None:
+        with self.lock:
+            return free.pop() if free else None  # (a list's pop is atomic; the lock orders it with settle)
+
+
+_lock = threading.Lock()
+_process: dict[int, NixlAgent] = {}
+_names: dict[int, str] = {}
+
+
+def agent_name() -> str:
+    return _names.setdefault(os.getpid(), f"tw-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def process_agent() -> NixlAgent:
+    """This process's NIXL agent, made on first use."""
+    with _lock:
+        if (pid := os.getpid()) not in _process:
+            try:
+                _process[pid] = NixlAgent(agent_name())
+            except Exception as e:
+                raise TransportUnavailableError(f"nixl: no NIXL agent: {type(e).__name__}: {e}") from e
+        return _process[pid]
+
+
+def existing_agent() -> NixlAgent | None:
+    """This process's NIXL agent if it was made, else None (never makes one)."""
+    return _process.get(os.getpid())
+
+
+def stats() -> dict[str, int]:
+    """This process's registration cache and metadata counters (empty before first use)."""
+    if (agent := _process.get(os.getpid())) is None:
+        return {}
+    with agent.lock:
+        return {
+            **agent.stats,
+            "cached": len(agent.regs),
+            "remote_agents": len(agent.remote),
+            "idle": len(agent.idle),
+            "live_slots": SLOTS - len(agent.free_table),
+            "stuck_reads": len(agent.stuck),
+        }
