@@ -120,3 +120,21 @@ def remote_worker():
     w = Worker(env={"TENSORWIRE_NODE_ID": "test-node-b"})
     yield w
     w.close()
+
+
+@pytest.fixture
+def over_null(agent):
+    """Every fetch in this process forced through the test-only ``null`` transport (plain
+    copies inside this process): the layers above the transports with no real one under them."""
+    from dataclasses import replace
+
+    from tensorwire.transport import register_transport, registered_transports, unregister_transport
+    from tensorwire.transport.backends.null import NullTransport
+
+    added = "null" not in registered_transports()
+    if added:
+        register_transport("null", NullTransport)
+    agent.set_config(replace(agent.config, transport="null"))
+    yield agent
+    if added:
+        unregister_transport("null")

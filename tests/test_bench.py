@@ -289,15 +289,27 @@ def test_calibrate_writes_the_table_where_output_says(tmp_path):
     assert done.returncode == 2 and "at least 1 MiB" in done.stderr
 
 
-def test_nixl_compare_is_skipped_with_a_note_where_nixl_is_unusable(monkeypatch):
+def test_nixl_compare_is_skipped_with_a_note_where_no_one_sided_transport_reads_across_nodes(monkeypatch):
     from types import SimpleNamespace
 
     from tensorwire.bench import nixl_compare
     from tensorwire.bench.runner import Options
     from tensorwire.progress import ProgressBar
+    from tensorwire.transport import get_transport_class
 
-    here = SimpleNamespace(transports=lambda: {"shm": 1, "host": 1}, unusable_transports=lambda: {"nixl": "not here"})
-    monkeypatch.setattr("tensorwire.runtime.ray_env.agent", lambda: here)
+    caps = {n: get_transport_class(n).capabilities for n in ("shm", "host", "nixl")}
+    here = SimpleNamespace(
+        capabilities=lambda: caps,
+        transports=lambda: {"shm": 1, "host": 1},
+        unusable_transports=lambda: {"nixl": "not here"},
+    )
+    monkeypatch.setattr(nixl_compare, "runtime_agent", lambda: here)
+    monkeypatch.setattr(nixl_compare, "nixl_api", lambda: None)  # the bare baseline is there
     notes, bar = [], ProgressBar(2, desc="bench", enabled=False)
     assert nixl_compare.bench_rows(Options(sizes=[4096]), bar, notes) == []
-    assert notes == ["nixl-compare: skipped (nixl is not usable here: not here)"] and bar.total == 0
+    assert notes == [
+        "nixl-compare: skipped (no one-sided transport that exports per object reads across nodes here "
+        "(nixl: not here))"
+    ]
+    assert bar.total == 0
+    assert nixl_compare.compared(here) == (("host",), ())  # host memory across nodes, no export per object

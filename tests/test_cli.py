@@ -50,7 +50,7 @@ def test_topo_json_describes_this_node():
     else:
         assert nvidia["reason"]  # no GPU here: the reason is recorded, nothing raised
     assert bool(report["rdma_nics"]) == hardware()["rdma"]
-    assert report["transport_libraries"]["gloo"] == "available"
+    assert report["transport_libraries"]["gloo"] == "torch.distributed gloo available"
     nixl = report["transport_libraries"]["nixl"]  # the wheel and what it bundles, or how to install it
     assert nixl.startswith("not installed (pip install") or ("plugins" in nixl and "UCX modules" in nixl), nixl
 
@@ -220,17 +220,19 @@ def test_topo_address_reports_every_node_of_a_ray_cluster(ray_cluster):
 
 
 def test_doctor_names_the_rdma_devices_nixls_verbs_library_lists(monkeypatch):
-    from tensorwire import cli
-    from tensorwire.transport.backends.nixl import engine as nixl_engine
-    from tensorwire.transport.hw import topology
+    from tensorwire.transport.backends.nixl import doctor
+    from tensorwire.transport.contract import Diagnosis, Health
 
-    monkeypatch.setattr(nixl_engine, "new_agent", lambda name: type("Agent", (), {"backends": ["UCX", "LIBFABRIC"]})())
-    monkeypatch.setattr(topology, "nixl_verbs_devices", lambda: ["mlx5_0", "mlx5_1"])
-    assert cli._nixl_report("nixl-cu12 1.5.1") == (
-        "NIXL",
-        "ok",
-        "nixl-cu12 1.5.1; backends UCX, LIBFABRIC; its verbs library sees RDMA devices mlx5_0, mlx5_1",
-    )
-    monkeypatch.setattr(topology, "nixl_verbs_devices", lambda: "nixl_cu12 bundles no libibverbs")
-    status, detail = cli._nixl_report("nixl-cu12 1.5.1")[1:]
-    assert status == "warn" and "no RDMA device (nixl_cu12 bundles no libibverbs)" in detail
+    monkeypatch.setattr(doctor, "new_agent", lambda name: type("Agent", (), {"backends": ["UCX", "LIBFABRIC"]})())
+    monkeypatch.setattr(doctor, "library", lambda: "nixl-cu12 1.5.1")
+    monkeypatch.setattr(doctor, "verbs_devices", lambda: ["mlx5_0", "mlx5_1"])
+    assert doctor.diagnose() == [
+        Diagnosis(
+            "NIXL",
+            Health.OK,
+            "nixl-cu12 1.5.1; backends UCX, LIBFABRIC; its verbs library sees RDMA devices mlx5_0, mlx5_1",
+        )
+    ]
+    monkeypatch.setattr(doctor, "verbs_devices", lambda: "nixl_cu12 bundles no libibverbs")
+    (line,) = doctor.diagnose()
+    assert line.health is Health.WARN and "no RDMA device (nixl_cu12 bundles no libibverbs)" in line.detail

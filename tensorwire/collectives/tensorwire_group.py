@@ -115,7 +115,7 @@ class TensorwireGroup(Group):
         self._exchange(self._next(), lambda r: input_list[r], lambda r: parts[r])
         output.copy_(reduce(parts, op))
 
-    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._all_gather(gathered, tensor)
         tensor.copy_(reduce(gathered, op))

@@ -30,9 +30,10 @@ from tests.helpers import file_transport
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest
 
-# ``testfile`` is registered at run time, for this module only (a registration made in the
-# driver travels to every Ray actor and task it starts: it must not outlive the module).
-NAMES = sorted({*registered_transports(), file_transport.NAME})
+# ``testfile`` and the test-only ``null`` are registered at run time, for this module only (a
+# registration made in the driver travels to every Ray actor and task it starts: it must not
+# outlive the module).
+NAMES = sorted({*registered_transports(), file_transport.NAME, "null"})
 
 RAY_ENV = "TENSORWIRE_CONFORMANCE_RAY"
 OTHER_NODE = {"TENSORWIRE_NODE_ID": "conformance-node-b"}
@@ -73,11 +74,11 @@ class _InActor:
 
 @pytest.fixture(scope="module", autouse=True)
 def testfile_registered():
-    added = file_transport.NAME not in registered_transports()
+    added = {file_transport.NAME, "null"} - set(registered_transports())
     file_transport.register()
     yield
-    if added:
-        unregister_transport(file_transport.NAME)
+    for name in added:
+        unregister_transport(name)
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -87,7 +88,7 @@ def consumers(request):
     if request.param == "process":
         made = {"same": Worker(), "other": Worker(env=OTHER_NODE)}
         for w in made.values():
-            assert file_transport.NAME in w.call("tests.helpers.tasks:register_test_transport")
+            assert {file_transport.NAME, "null"} <= set(w.call("tests.helpers.tasks:register_test_transport"))
         yield made
         for w in made.values():
             w.close()

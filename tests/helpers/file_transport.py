@@ -73,7 +73,10 @@ class FileTransport(Transport):
 
 
 def register() -> list[str]:
-    """Register ``testfile`` in this process (idempotent); returns the registered names."""
+    """Register ``testfile`` and the package's test-only ``null`` in this process (idempotent);
+    returns the registered names."""
     if NAME not in registered_transports():
         register_transport(NAME, "tests.helpers.file_transport:FileTransport")
+    if "null" not in registered_transports():
+        register_transport("null", "tensorwire.transport.backends.null:NullTransport")
     return registered_transports()

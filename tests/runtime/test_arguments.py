@@ -54,7 +54,7 @@ def test_the_hidden_hook_runs_only_registered_hooks():
         "os.system",  # not a key at all
         ("os", "system"),  # outside the package: never imported
         ("builtins", "eval"),
-        ("tensorwire.collectives.group", "get_group"),  # a real function, but not registered as a hook
+        ("tensorwire.collectives.groups", "get_group"),  # a real function, but not registered as a hook
         ("tensorwire.collectives.nonexistent", "join"),
     ]
     for key in refused:
@@ -63,6 +63,6 @@ def test_the_hidden_hook_runs_only_registered_hooks():
     from tensorwire.collectives import groups
 
     assert hook_key(groups.leave) == HookKey("tensorwire.collectives.groups", "leave")
-    assert _tw_hook(object(), ("tensorwire.collectives.group", "leave"), "no-such-group") is False  # it ran
+    assert _tw_hook(object(), ("tensorwire.collectives.groups", "leave"), "no-such-group") is False  # it ran
     with pytest.raises(ValueError, match="not a registered actor hook"):
         hook_key(groups.get_group)

@@ -1,0 +1,186 @@
+"""The house rules on the package's shape (STYLE.md; issues 15 and 34), checked on the source:
+
+* no module over 500 lines, no function on the fetch path over 60 lines, no ``# fmt: skip``;
+* the layers: nothing outside ``tensorwire/transport`` imports a backend module or compares a
+  built-in transport's name; the transport layer imports neither Ray nor a layer above it;
+* no import circle among the package's modules (imports inside functions count too);
+* every built-in transport lives under ``transport/backends``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tensorwire.transport.registry import BUILTIN_TRANSPORTS
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tensorwire"
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+TRANSPORT = PACKAGE / "transport"
+# What a fetch runs through: the runtime's get, the agent and its dispatch, every transport.
+FETCH_PATH = [PACKAGE / "runtime" / n for n in ("api.py", "reading.py", "placement.py", "ref.py")] + sorted(
+    TRANSPORT.rglob("*.py")
+)
+# Transport names that are not ours to hide: the collectives' torch.distributed backends.
+NAME_ALLOWED = {("collectives/group.py", "gloo"), ("collectives/group.py", "nccl")}
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in the file (absolute names; relative resolved)."""
+    found = set()
+    package = _name(path) if path.name == "__init__.py" else _name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(max(node.level - 1, 0)):
+                base = base.rpartition(".")[0]
+            head = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            found.add(head)
+            found.update(f"{head}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_package_has_its_rooms():
+    rooms = {p.relative_to(TRANSPORT).parts[0] for p in TRANSPORT.rglob("*.py") if p.parent != TRANSPORT}
+    assert {"agent", "backends", "hw"} <= rooms
+    assert {"contract.py", "registry.py", "selector.py", "costs.py"} <= {p.name for p in TRANSPORT.glob("*.py")}
+    assert (TRANSPORT / "backends" / "null.py").is_file()
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_module_is_at_most_500_lines_and_not_compressed(path: Path):
+    text = path.read_text()
+    lines = len(text.splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines (limit {MAX_MODULE_LINES})"
+    assert "fmt: skip" not in text, f"{path.relative_to(PACKAGE)} joins lines with # fmt: skip: format it"
+
+
+@pytest.mark.parametrize("path", FETCH_PATH, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_functions_on_the_fetch_path_are_at_most_60_lines(path: Path):
+    tree = ast.parse(path.read_text())
+    long = [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})"
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"{path.relative_to(PACKAGE)}: functions over {MAX_FUNCTION_LINES} lines: {', '.join(long)}"
+
+
+def test_nothing_outside_the_transport_layer_imports_a_backend():
+    offenders = [
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in _modules()
+        if not path.is_relative_to(TRANSPORT)
+        for name in sorted(_imports(path))
+        if name.startswith("tensorwire.transport.backends")
+    ]
+    assert not offenders, offenders
+
+
+def test_nothing_outside_the_transport_layer_names_a_builtin_transport():
+    # nixl is ours too (an entry point); "local" and "host" are also ordinary words (Ray's local mode, host memory)
+    names = (set(BUILTIN_TRANSPORTS) | {"nixl"}) - {"local", "host"}
+    offenders = []
+    for path in _modules():
+        if path.is_relative_to(TRANSPORT) or path.is_relative_to(PACKAGE / "bench"):
+            continue  # the bench names its baselines: Ray's own transports, bare libraries
+        where = str(path.relative_to(PACKAGE))
+        for node in ast.walk(ast.parse(path.read_text())):
+            is_name = isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+            if is_name and (where, node.value) not in NAME_ALLOWED:
+                offenders.append(f"{where}:{node.lineno} {node.value!r}")
+    assert not offenders, offenders
+
+
+def test_the_transport_layer_imports_neither_ray_nor_the_layers_above():
+    above = ("ray", "tensorwire.runtime", "tensorwire.collectives", "tensorwire.bench", "tensorwire.cli")
+    offenders = [
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in sorted(TRANSPORT.rglob("*.py"))
+        for name in sorted(_imports(path))
+        if any(name == a or name.startswith(a + ".") for a in above)
+    ]
+    assert not offenders, offenders
+
+
+def test_builtin_transports_live_under_backends():
+    for name, target in BUILTIN_TRANSPORTS.items():
+        assert target.startswith("tensorwire.transport.backends."), (name, target)
+
+
+def test_no_import_circles():
+    modules = {_name(p): p for p in _modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for imported in _imports(path):
+            target = imported
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and modules[target].name != "__init__.py":
+                deps.add(target)
+        graph[name] = deps
+    circles = _strongly_connected(graph)
+    assert not circles, [" -> ".join(sorted(c)) for c in circles]
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's algorithm, iterative: the components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    for root, edges in graph.items():
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges)))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def test_the_circle_check_finds_a_circle():
+    assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert _strongly_connected({"a": {"b"}, "b": set()}) == []
