@@ -18,7 +18,7 @@ from tensorwire.bench.runner import SCENARIOS, _compare, format_table, make_row
 from tensorwire.bench.schema import SCHEMA_VERSION, Row, document, validate
 from tensorwire.bench.stats import bus_bandwidth, fit_latency_bandwidth, gbps, parse_size, percentile, sizes, summarize
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers.broken_transport import environment
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run(args: list[str], broken: str = "", *, after: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
