@@ -93,21 +93,29 @@ def skipped() -> bool:
 
 def make_agent(name: str) -> Any:
     """One agent, UCX backend, its progress thread pausing ``BARE_NIXL_PROGRESS_US`` between
-    polls (default 1000, the pause tensorwire's nixl transport sets; 0 is NIXL's default, a
-    spin). The spin keeps a core busy in each process for as long as it lives (measured: 2.0
+    polls (default ``TENSORWIRE_NIXL_PROGRESS_US``, else 1000: the pause tensorwire's nixl
+    transport sets; 0 is NIXL's default, a spin), thread-safe as tensorwire's (``sync_mode``
+    RW). The spin keeps a core busy in each process for as long as it lives (measured: 2.0
     CPU-s in 2 s idle, 0.07 with a pause): on two cores the two bare processes would slow
     every method measured beside them, tensorwire's rounds included. The UCX settings that
     importing ucxx writes are hidden meanwhile, as tensorwire hides them from its own agent
     (``UCX_RNDV_THRESH=8192`` made a 1 MiB READ 9x slower)."""
     api = nixl_api()
-    pause_us = int(os.environ.get("BARE_NIXL_PROGRESS_US", "1000"))
+    pause_us = int(os.environ.get("BARE_NIXL_PROGRESS_US", os.environ.get("TENSORWIRE_NIXL_PROGRESS_US", "1000")))
+    sync = getattr(api, "nixl_thread_sync_t", None)
+    config = api.nixl_agent_config(backends=["UCX"], **({"sync_mode": sync.NIXL_THREAD_SYNC_RW} if sync else {}))
     bind, make = api.nixlBind, api.nixlBind.nixlAgent  # called with the config the API built
+
+    def paused(agent_name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = pause_us
+        return make(agent_name, agent_config)
+
+    # Under the lock that also orders tensorwire's own agent-making (ucxx_settings_hidden holds
+    # it): both patch the API's constructor meanwhile.
     with ucxx_settings_hidden():
-        bind.nixlAgent = lambda agent_name, config: (setattr(config, "pthrDelay", pause_us), make(agent_name, config))[
-            1
-        ]
+        bind.nixlAgent = paused
         try:
-            return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+            return api.nixl_agent(name, config)
         finally:
             bind.nixlAgent = make
 

@@ -156,17 +156,23 @@ class Channel:
         dst: Sequence[torch.Tensor | None],
         *,
         transport: str = "",
+        targets: Sequence[torch.device] | None = None,
         timeout_s: float | None = None,
     ) -> Fetched:
         """Fetch an announced object into ``dst`` (contiguous tensors, or None to allocate).
 
-        ``Fetched.tensors`` are ``dst``'s own where given; ``copy_s`` is the time spent
-        copying into ``dst`` after a transport could not write there directly.
+        ``targets``: where each tensor without a buffer lands (default: each given buffer's
+        device, else the device the producer had, mapped here). ``Fetched.tensors`` are ``dst``'s
+        own where given; ``copy_s`` is the time spent putting them in place after the transfer
+        (copying into ``dst`` where a transport could not write it, moving to a target device).
         """
         desc, handles = decode_announcement(announcement)
         if len(desc.metas) != len(dst):
             raise ValueError(f"group {self.name}: announced {len(desc.metas)} tensors, expected {len(dst)}")
-        targets = [t.device if t is not None else target_device(m, None) for t, m in zip(dst, desc.metas, strict=True)]
+        if targets is None:
+            targets = [
+                t.device if t is not None else target_device(m, None) for t, m in zip(dst, desc.metas, strict=True)
+            ]
         tensors, record = self._agent.fetch(
             desc,
             handles,

@@ -282,7 +282,10 @@ def _take(
         return transport, read_slot(array, views, dtypes), views
     direct = [v.dtype == d and v.is_contiguous() for v, d in zip(views, dtypes, strict=True)]
     fetched = channel.fetch(
-        payload, [v if ok else None for v, ok in zip(views, direct, strict=True)], transport=spec.transport
+        payload,
+        [v if ok else None for v, ok in zip(views, direct, strict=True)],
+        transport=spec.transport,
+        targets=[v.device for v in views],
     )
     copy_start = time.perf_counter()
     for i, ok in enumerate(direct):

@@ -58,7 +58,7 @@ class TensorwireGroup(Group):
         if tensor.is_contiguous():
             self.channel.fetch(announcement, [tensor])
         else:
-            tensor.copy_(self.channel.fetch(announcement, [None]).tensors[0])
+            tensor.copy_(self.channel.fetch(announcement, [None], targets=[tensor.device]).tensors[0])
 
     def _serve(self, tensors: Sequence[torch.Tensor], readers: Sequence[int], key: str) -> None:
         """Publish ``tensors``, announce them to ``readers`` and keep them until each acked."""

@@ -25,7 +25,7 @@ from tensorwire.transport.agent import add_startup_hook, get_agent
 from tensorwire.transport.agent.metrics import TransferRecord, add_observer
 
 if TYPE_CHECKING:
-    from tensorwire.transport.agent import Agent
+    from tensorwire.transport.agent import AgentServices
 
 __all__ = [
     "TOKEN_ACTOR_NAME",
@@ -172,7 +172,7 @@ def configure_process() -> None:
         _configured_pid = os.getpid()
 
 
-def agent() -> Agent:
+def agent() -> AgentServices:
     """This process's agent, configured from Ray first when running inside Ray."""
     return get_agent()
 

@@ -22,7 +22,7 @@ from tensorwire.transport.agent.wire import messages
 from tensorwire.transport.contract import TensorKind
 from tensorwire.transport.packing import ByteSink, iter_stream_chunks
 from tests.helpers.tasks import digest
-from tests.transport.test_control import METHODS, _code_and_details, _raw_call
+from tests.transport.agent.test_control import METHODS, _code_and_details, _raw_call
 
 DTYPES = [
     torch.float32,

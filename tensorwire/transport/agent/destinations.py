@@ -40,6 +40,8 @@ def prepare(
     caps: Capabilities,
     *,
     pool: HostPool | None = None,
+    pooled: bool = False,
+    other_node: bool = False,
 ) -> tuple[list[torch.Tensor], Lease | None]:
     """The tensors a transport fills, and the pool lease they use (None if none).
 
@@ -48,26 +50,33 @@ def prepare(
         packed_nbytes: The object's packed size (a pooled buffer holds it in that layout).
         dst: The caller's buffers (None entries, or None: none given).
         targets: Where each tensor should land (default: the host).
-        caps: The transport's capabilities (which memory it writes).
-        pool: Take host tensors from this pool (see the module docstring for when).
+        caps: The transport's capabilities (which memory it writes, whether it registers
+            its receive buffers).
+        pool: This process's host pool; None: never pool (e.g. a view was asked for).
+        pooled: The caller asked for pooled memory.
+        other_node: The owner is on another node.
 
     The caller must :meth:`~tensorwire.transport.host_pool.Lease.discard` the lease if the
     transfer fails: a transport that failed may still be writing into it.
     """
     cuda = MemoryKind.CUDA in caps.memory
-    result: list[torch.Tensor | None] = []
-    for i in range(len(metas)):
-        given = dst[i] if dst is not None else None
-        writable = given is not None and given.is_contiguous() and (given.is_cpu or (cuda and given.is_cuda))
-        result.append(given if writable else None)
+    result: list[torch.Tensor | None] = [
+        given if given is not None and given.is_contiguous() and (given.is_cpu or (cuda and given.is_cuda)) else None
+        for given in (dst if dst is not None else [None] * len(metas))
+    ]
     targets = targets or [_CPU] * len(metas)
-    lease = _pooled(pool, metas, packed_nbytes, result, targets) if pool is not None else None
-    for i, meta in enumerate(metas):
-        if result[i] is None:
-            target = targets[i]
-            device = target if target.type == "cpu" or (cuda and target.type == "cuda") else _CPU
-            result[i] = torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=device)
-    return result, lease  # type: ignore[return-value]  # every entry filled above
+    use_pool = pool is not None and (pooled or (caps.registers_buffers and other_node))
+    lease = _pooled(pool, metas, packed_nbytes, result, targets) if use_pool else None
+    return [
+        chosen if chosen is not None else _new(meta, target, cuda)
+        for chosen, meta, target in zip(result, metas, targets, strict=True)
+    ], lease
+
+
+def _new(meta: TensorMeta, target: torch.device, cuda: bool) -> torch.Tensor:
+    """A new tensor for ``meta`` on ``target`` where the transport writes that memory, else on the host."""
+    device = target if target.type == "cpu" or (cuda and target.type == "cuda") else _CPU
+    return torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device=device)
 
 
 def _pooled(

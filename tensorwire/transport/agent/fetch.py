@@ -207,10 +207,15 @@ class FetchDispatch:
             if instance.capabilities.needs_device_access:
                 self._hold(desc, tensors)
             return tensors, True
-        caps = instance.capabilities
-        pooled = pooled or (caps.registers_buffers and not owner.same_node(self._peer()))
         tensors, lease = destinations.prepare(
-            desc.metas, desc.packed_nbytes, dst, targets, caps, pool=self._pool if pooled else None
+            desc.metas,
+            desc.packed_nbytes,
+            dst,
+            targets,
+            instance.capabilities,
+            pool=None if view else self._pool,  # a view asked for and not possible: a plain copy, as before
+            pooled=pooled,
+            other_node=not owner.same_node(self._peer()),
         )
         try:
             instance.fetch(request, tensors)

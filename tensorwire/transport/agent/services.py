@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from tensorwire.transport.agent.metrics import TransferRecord
     from tensorwire.transport.config import Config
     from tensorwire.transport.contract import Capabilities, Diagnosis, Transport
-    from tensorwire.transport.metadata import ObjectDescriptor, PeerInfo, TensorMeta
+    from tensorwire.transport.metadata import ObjectDescriptor, PeerInfo, StoredObject, TensorMeta
 
 __all__ = ["AgentServices"]
 
@@ -76,6 +76,15 @@ class AgentServices(ABC):
     def free(self, desc: ObjectDescriptor, *, timeout_s: float | None = None) -> None:
         """Any process: free the object now at its owner. Idempotent; a dead owner is a
         no-op. Blocks for the owner's answer (at most ``timeout_s``)."""
+
+    @abstractmethod
+    def owned_objects(self) -> int:
+        """How many objects this process owns right now."""
+
+    @abstractmethod
+    def local_object(self, object_id: bytes, token: bytes) -> StoredObject:
+        """Producer: one object this process owns as stored (raises if freed or the token is
+        wrong); for measuring a transport's ``export`` of it directly."""
 
     @abstractmethod
     def owned_sharing(self, storage_ptrs: frozenset[int]) -> int:

@@ -40,9 +40,7 @@ class GlooTransport(PairGroupTransport):
 
     @classmethod
     def library_status(cls) -> str:
-        return "torch.distributed gloo " + (
-            "available" if dist.is_available() and dist.is_gloo_available() else "not built into torch"
-        )
+        return "available" if dist.is_available() and dist.is_gloo_available() else "not built into torch"
 
     def unavailable_reason(self) -> str | None:
         if not dist.is_available() or not dist.is_gloo_available():

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tensorwire.errors import TransportError
+from tensorwire.errors import TransferTimeoutError, TransportError
 from tensorwire.transport.contract import Capabilities, CostModel, FetchRequest, MemoryKind
 from tensorwire.transport.hw import topology
 from tensorwire.transport.process_groups import (
@@ -42,6 +42,7 @@ from tensorwire.transport.process_groups import (
     post_ops,
 )
 from tensorwire.transport.two_sided import Connection, PostedOps
+from tensorwire.transport.waiting import wait_until
 
 __all__ = ["NcclTransport"]
 
@@ -66,10 +67,13 @@ class NcclTransport(PairGroupTransport):
 
     @classmethod
     def library_status(cls) -> str:
-        if not torch.cuda.is_available():
-            return "NCCL: no CUDA device"
-        version = torch.cuda.nccl.version()
-        return "NCCL " + (".".join(str(v) for v in version) if isinstance(version, tuple) else str(version))
+        try:
+            if not torch.cuda.is_available():
+                return "no CUDA device"
+            version = torch.cuda.nccl.version()
+        except Exception as e:  # noqa: BLE001 - discovery never fails the caller
+            return f"unavailable: {type(e).__name__}: {e}"
+        return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():
@@ -98,12 +102,16 @@ class NcclTransport(PairGroupTransport):
                 if rank == PRODUCER_RANK
                 else group.recv([probe], PRODUCER_RANK, 0)
             )
-        deadline = time.monotonic() + timeout_s
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                abort_group(group)
-                raise TransportError("nccl: the peer did not connect before the deadline")
-            time.sleep(1e-3)
+        try:
+            wait_until(
+                lambda _s: work.is_completed() or None,
+                deadline=time.monotonic() + timeout_s,
+                what="nccl: the peer's connection",
+                pause=lambda _polls, _elapsed_s: 1e-3,
+            )
+        except TransferTimeoutError:
+            abort_group(group)
+            raise TransportError("nccl: the peer did not connect before the deadline") from None
         return group
 
     def connection_scope(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> str:

@@ -191,8 +191,8 @@ class UcxTransport(TwoSidedTransport):
     @classmethod
     def library_status(cls) -> str:
         if importlib.util.find_spec("ucxx") is None:
-            return "ucxx not installed (pip install 'tensorwire[ucx]')"
-        return "ucxx importable"
+            return "not installed (pip install 'tensorwire[ucx]')"
+        return "importable"
 
     def diagnose(self) -> list[Diagnosis]:
         """Which UCX transports this process's worker has, and what is missing for fast

@@ -50,20 +50,33 @@ def test_a_cuda_target_lands_on_the_host_for_a_host_only_transport():
 def test_pooled_destinations_share_one_buffer_in_the_packed_layout():
     pool = HostPool(max_idle_nbytes=8 << 20, min_nbytes=64)
     metas = (TensorMeta((256,), "float32", "cpu", 1024, 0), TensorMeta((16,), "uint8", "cpu", 16, 1024))
-    out, lease = prepare(metas, 1088, [None, None], [CPU, CPU], HOST, pool=pool)
+    out, lease = prepare(metas, 1088, [None, None], [CPU, CPU], HOST, pool=pool, pooled=True)
     assert lease is not None
     base = np.frombuffer(lease.array, dtype=np.uint8).ctypes.data
     assert out[0].data_ptr() == base and out[1].data_ptr() == base + 1024
     given = torch.zeros(16, dtype=torch.uint8)
-    out, lease = prepare(metas, 1088, [None, given], [CPU, CPU], HOST, pool=pool)
+    out, lease = prepare(metas, 1088, [None, given], [CPU, CPU], HOST, pool=pool, pooled=True)
     assert out[1] is given and lease is not None  # the caller's buffer wins over the pool
 
 
-def test_nothing_is_pooled_without_a_pool_or_for_tensors_that_land_elsewhere():
+def test_pooled_when_asked_or_when_a_transport_registers_buffers_from_another_node():
     pool = HostPool(max_idle_nbytes=8 << 20, min_nbytes=64)
-    assert prepare(METAS, 128, None, [CPU, CPU], HOST)[1] is None
+    registers = Capabilities(
+        one_sided=True, same_process=False, same_node=True, cross_node=True, registers_buffers=True
+    )
+    assert prepare(METAS, 128, None, [CPU, CPU], HOST, pool=pool)[1] is None  # neither
+    assert prepare(METAS, 128, None, [CPU, CPU], registers, pool=pool)[1] is None  # same node
+    assert prepare(METAS, 128, None, [CPU, CPU], registers, pool=pool, other_node=True)[1] is not None
+    assert prepare(METAS, 128, None, [CPU, CPU], HOST, pool=pool, other_node=True)[1] is None
+    assert (
+        prepare(METAS, 128, None, [CPU, CPU], HOST, pool=None, pooled=True)[1] is None
+    )  # no pool: a view was asked for
+
+
+def test_nothing_is_pooled_for_tensors_that_have_their_buffer():
+    pool = HostPool(max_idle_nbytes=8 << 20, min_nbytes=64)
     given = [torch.zeros(4), torch.zeros(2, 2, dtype=torch.int64)]
-    assert prepare(METAS, 128, given, [CPU, CPU], HOST, pool=pool)[1] is None  # every tensor has its buffer
+    assert prepare(METAS, 128, given, [CPU, CPU], HOST, pool=pool, pooled=True)[1] is None
 
 
 @pytest.mark.parametrize("given", [None, "buffer"])

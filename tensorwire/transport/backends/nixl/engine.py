@@ -1,5 +1,6 @@
-"""NIXL's Python API and its agents as tensorwire makes them: the ``nixl`` transport, ``tensorwire doctor`` and
-the bench's bare NIXL baseline share them (each process's transport agent is ``nixl._agent()``)."""
+"""NIXL's Python API and its agents as tensorwire makes them, for the ``nixl`` transport and its
+``doctor`` report (each process's transport agent is :func:`.agent.process_agent`). The bench's
+bare NIXL baseline makes its own, the same way (``tensorwire/bench/bare_nixl.py``)."""
 
 from __future__ import annotations
 
