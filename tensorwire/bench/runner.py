@@ -11,7 +11,8 @@ Scenarios (``--scenarios``, all by default):
 * ``concurrent``: ``--peers`` same-node processes fetch the largest value at once; aggregate GB/s.
 * ``nixl-compare``: tensorwire's transports that read host memory across nodes (by capabilities:
   nixl, ucx, gloo, host) against a bare NIXL program between the same two processes, on one
-  node and across claimed nodes, the same object again and a new object each round, at every size and as 1,024 tensors, interleaved (:mod:`tensorwire.bench.nixl_compare`).
+  node and across claimed nodes, the same object again and a new object each round, at every
+  size and as 1,024 tensors, interleaved (:mod:`tensorwire.bench.nixl_compare`).
 * ``p2p-actors``: Ray actors: a ``@tw.method`` result passed to another actor, vs Ray's object
   store (default, and with ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``) and Ray's direct transport
   (gloo); the consumer copies the value into its own buffers in every case.
