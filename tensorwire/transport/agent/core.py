@@ -184,6 +184,7 @@ class Agent(TransportContext, AgentServices):
     def diagnose(self) -> dict[str, list[Diagnosis]]:
         """Each usable transport's own report (``Transport.diagnose``); one that raises is
         reported as failed, the others still run."""
+        self._refresh_if_registry_changed()
         found: dict[str, list[Diagnosis]] = {}
         for name, transport in self._transports.usable().items():
             try:
