@@ -6,6 +6,7 @@ Facade only; heavy modules (torch, grpc, the agent) load on first use of an attr
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from tensorwire import errors
@@ -59,6 +60,7 @@ __all__ = [
     "method",
     "passthrough",
     "put",
+    "register_ray_transport",
     "remote",
     "stats",
     "wait",
@@ -83,6 +85,20 @@ _LAZY = {
 }
 
 
+def register_ray_transport() -> None:
+    """Register tensorwire with Ray as the tensor transport ``"tensorwire"``, so that
+    ``@ray.method(tensor_transport="tensorwire")`` and ``ray.put(..., _tensor_transport=
+    "tensorwire")`` move tensors through tensorwire. Idempotent.
+
+    Ray checks the name when a class is decorated, and gives the transport to actors created
+    after the registration: call this before both, in the process that creates the actors.
+    ``tw.init()`` does, and so does ``import tensorwire`` where Ray is imported already.
+    """
+    from tensorwire.runtime import ray_transport
+
+    ray_transport.register()
+
+
 def __getattr__(name: str) -> Any:
     if name == "collective":  # tw.collective.create_group(...)
         value = importlib.import_module("tensorwire.collectives")
@@ -98,3 +114,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+if "ray" in sys.modules:  # Ray checks tensor_transport names when classes are decorated
+    register_ray_transport()

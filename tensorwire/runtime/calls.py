@@ -89,8 +89,8 @@ def wait_all(refs: Sequence[Any], *, timeout_s: float) -> tuple[list[Any], list[
 
 
 def same_actor(a: Any, b: Any) -> bool:
-    """Whether two tensorwire actor handles name the same actor."""
-    return a.ray_handle._actor_id == b.ray_handle._actor_id
+    """Whether two tensorwire actor handles name the same actor (Ray's handles compare by actor)."""
+    return bool(a.ray_handle == b.ray_handle)
 
 
 def is_initialized() -> bool:

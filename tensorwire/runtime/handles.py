@@ -157,15 +157,6 @@ class ActorHandle:
         getattr(state["ray_handle"], name)  # Ray's AttributeError for unknown methods
         return ActorMethod(state["ray_handle"], name, (methods or {}).get(name, PLAIN), {}, {})
 
-    @property
-    def actor_id(self) -> str:
-        """The Ray actor's id as hex: equal for every handle of one actor.
-
-        (Ray's handles expose the id only as a private attribute; this is the one place
-        tensorwire reads it.)
-        """
-        return self.ray_handle._actor_id.hex()
-
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (make_handle, (self.ray_handle, self._methods))
 

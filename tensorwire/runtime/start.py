@@ -52,8 +52,10 @@ def init(address: str | None = None, **ray_init_kwargs: Any) -> None:
     """
     import ray
 
+    from tensorwire.runtime import ray_transport
     from tensorwire.transport.agent import current_agent, shutdown_agent
 
+    ray_transport.register()  # before the user creates actors (Ray's rule for custom transports)
     if not ray.is_initialized():
         _start_ray(ray, address, ray_init_kwargs)
     existing = current_agent()

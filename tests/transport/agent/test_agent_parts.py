@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -18,7 +17,6 @@ from tensorwire.errors import (
     TransferTimeoutError,
     TransportError,
 )
-from tensorwire.runtime.handles import ActorHandle
 from tensorwire.transport.agent import core as agent_module
 from tensorwire.transport.agent.control import status_of
 from tensorwire.transport.agent.rendezvous import MAX_GROUPS, Mailbox
@@ -118,9 +116,3 @@ def test_ref_accessors(agent):
     outgoing = ref.outgoing_state()
     assert outgoing.desc == state.desc and outgoing.handles  # exported when a copy leaves
     agent.consume_pin(outgoing.desc, outgoing.pin_id)
-
-
-def test_actor_id_is_the_ray_actor_id_as_hex():
-    handle = ActorHandle.__new__(ActorHandle)
-    handle.__dict__.update(ray_handle=SimpleNamespace(_actor_id=bytes.fromhex("00ab")), _methods=None)
-    assert handle.actor_id == "00ab"

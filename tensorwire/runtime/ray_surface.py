@@ -1,0 +1,44 @@
+"""Every part of Ray that tensorwire uses beyond Ray's documented API, in one place.
+
+Aim: none. What remains, each verified on Ray 2.60 (``tests/runtime/test_ray_surface.py``
+fails naming the attribute if a Ray release changes it):
+
+* ``ActorHandle.__ray_call__`` (a developer method Ray gives every actor so that libraries can
+  run a function in it, ray-project/ray#41534), in the ``_ray_system`` concurrency group that
+  Ray gives actors with tensor transport enabled (its own transports use both the same way).
+  Used once per actor handle by the registered transport's ``actor_has_tensor_transport``.
+* ``ActorHandle.__ray_terminate__`` and ``__ray_ready__`` (developer methods), reached
+  through tensorwire's handles as through Ray's.
+* ``__ray_invocation_decorator__`` on an actor method (the decorator hook Ray applies in the
+  caller) and the ``__ray_*__`` option attributes that ``@ray.method(...)`` sets on a method
+  (kept when ``@tw.remote`` wraps the method).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RAY_VERSIONS_VERIFIED", "SURFACE", "run_on_actor"]
+
+RAY_VERSIONS_VERIFIED = ("2.60",)
+
+SURFACE = {
+    "ActorHandle.__ray_call__": "run a function in an actor (registered transport: actor check)",
+    "ActorHandle.__ray_terminate__": "reached through tensorwire handles",
+    "ActorHandle.__ray_ready__": "reached through tensorwire handles",
+    "method.__ray_invocation_decorator__": "tw.remote methods: the caller-side hook",
+}
+
+
+def run_on_actor(actor: Any, fn: Callable[[Any], Any], *, timeout_s: float) -> Any:
+    """``fn(actor_instance)`` run in ``actor``'s system thread; its result.
+
+    Raises:
+        ray.exceptions.RayActorError: The actor is dead.
+        ray.exceptions.GetTimeoutError: No answer within ``timeout_s``.
+    """
+    import ray
+
+    call = actor.__ray_call__.options(concurrency_group="_ray_system")
+    return ray.get(call.remote(fn), timeout=timeout_s)

@@ -1,0 +1,275 @@
+"""tensorwire as a Ray tensor transport: ``@ray.method(tensor_transport="tensorwire")``.
+
+Registered through Ray's public extension point for custom tensor transports
+(``ray.experimental.register_tensor_transport`` with a ``TensorTransportManager``). Ray
+does the bookkeeping (which process holds which object, reference counting, passing the
+metadata to readers, ``ray.get`` / ``ray.wait``, freeing); tensorwire moves the bytes:
+
+* **Producer** (:meth:`TensorwireTransport.extract_tensor_transport_metadata`, when the
+  method returns or on ``ray.put(..., _tensor_transport="tensorwire")``): the tensors Ray
+  found in the value become one tensorwire object of this process (kept by reference, as
+  Ray's transports do), its one-sided handles are exported, and the metadata Ray passes to
+  readers carries the object's descriptor (with its capability token) and those handles.
+* **Reader** (``recv_multiple_tensors``, in the actor the reference was passed to or in any
+  process that calls ``ray.get``): tensorwire's selector picks the path the two processes
+  share (inline for small values, shared memory or cma on one node, nixl or ucx across
+  nodes, cuda_ipc or nccl between GPUs...) and records the choice and its reason in
+  :func:`tensorwire.stats`. Reads are one-sided: the producer's Python is not involved.
+* **Freeing** (``garbage_collect``): Ray calls it in the producer once every reference is
+  gone; the object and what its transports registered are released.
+
+Ray requires the registration in the process that creates the actors, before it creates
+them: :func:`register` is called by ``tw.init()``, by ``import tensorwire`` in a process that
+has already imported Ray, and by users as ``tw.register_ray_transport()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.experimental.rdt.tensor_transport_manager import (
+    CommunicatorMetadata,
+    TensorTransportManager,
+    TensorTransportMetadata,
+)
+
+from tensorwire.errors import TransferAbortedError
+
+__all__ = ["DEVICES", "NAME", "TensorwireMetadata", "TensorwireTransport", "register"]
+
+logger = logging.getLogger(__name__)
+
+NAME = "TENSORWIRE"  # Ray upper-cases transport names; users write "tensorwire"
+DEVICES = ["cpu", "cuda"]
+_ACTOR_CHECK_TIMEOUT_S = 60.0  # the actor's system thread may be busy with a large read
+
+
+@dataclass
+class TensorwireMetadata(TensorTransportMetadata):
+    """What Ray passes from the producer to readers: shapes and dtypes (Ray's part) and the
+    tensorwire object's state (descriptor with capability token, one-sided handles)."""
+
+    state: bytes = b""
+
+
+@dataclass
+class TensorwireCommunicator(CommunicatorMetadata):
+    """Nothing to agree on before a read: tensorwire's peers find each other."""
+
+
+@dataclass
+class _Published:
+    """An object this process published through Ray, until Ray frees it."""
+
+    metadata: TensorwireMetadata
+    desc: Any = None
+
+
+class TensorwireTransport(TensorTransportManager):
+    """Ray's tensor transport manager for tensorwire (one instance per process, made by Ray)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._published: dict[str, _Published] = {}
+        self._aborted: set[str] = set()
+        self._checked_actors: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+    def tensor_transport_backend(self) -> str:
+        return NAME
+
+    @staticmethod
+    def is_one_sided() -> bool:
+        return True  # readers pull; ray.get works in any process, the producer runs nothing
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        return True  # every read has a deadline; an aborted read ends at its next step
+
+    def actor_has_tensor_transport(self, actor: Any) -> bool:
+        """Called by Ray before each call with ``tensor_transport="tensorwire"``: the first
+        time per handle, makes sure the actor has the transport registered (an actor made
+        before the registration gets it now) and can import tensorwire."""
+        from tensorwire.runtime import ray_surface
+
+        try:
+            if self._checked_actors.get(actor):
+                return True
+        except TypeError:  # a handle that cannot be weakly referenced: check every time
+            pass
+        try:
+            ok = bool(ray_surface.run_on_actor(actor, _register_here, timeout_s=_ACTOR_CHECK_TIMEOUT_S))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return True  # a dead or stuck actor: the call itself reports it
+        if ok:
+            with contextlib.suppress(TypeError):
+                self._checked_actors[actor] = True
+        return ok
+
+    # ------------------------------------------------------------------ producer
+
+    def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: list[Any]) -> TensorwireMetadata:
+        with self._lock:
+            published = self._published.get(obj_id)
+        if published is not None:  # a retried task's second extraction: the first copy stays
+            return published.metadata
+        tensors = _checked_tensors(rdt_object)
+        if not tensors:
+            _warn_no_tensors()
+            return TensorwireMetadata(tensor_meta=[], tensor_device=None)
+        from tensorwire.runtime.api import register_tensors
+        from tensorwire.runtime.ray_env import agent as runtime_agent
+        from tensorwire.runtime.ref_state import RefState
+
+        agent = runtime_agent()
+        desc = register_tensors(tensors)
+        handles = agent.export_handles(desc)
+        desc = agent.described_now(desc)
+        metadata = TensorwireMetadata(
+            tensor_meta=[(t.shape, t.dtype) for t in tensors],
+            tensor_device=tensors[0].device.type,
+            state=RefState(desc, b"", handles, b"").to_bytes(),
+        )
+        with self._lock:
+            self._published[obj_id] = _Published(metadata, desc)
+        return metadata
+
+    def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: list[Any]) -> None:
+        with self._lock:
+            published = self._published.pop(obj_id, None)
+            self._aborted.discard(obj_id)
+        if published is not None and published.desc is not None:
+            from tensorwire.runtime.ray_env import agent as runtime_agent
+
+            runtime_agent().free(published.desc)
+
+    def published_count(self) -> int:
+        """Objects this process published through Ray and Ray has not freed yet."""
+        with self._lock:
+            return len(self._published)
+
+    def send_multiple_tensors(self, tensors: list[Any], tensor_transport_metadata: Any, communicator_metadata: Any):
+        raise NotImplementedError("tensorwire reads are one-sided: Ray never asks the producer to send")
+
+    # ------------------------------------------------------------------ reader
+
+    def get_communicator_metadata(self, src_actor: Any, dst_actor: Any, backend: str | None = None):
+        return TensorwireCommunicator()
+
+    def recv_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: Any,
+        communicator_metadata: Any,
+        target_buffers: list[Any] | None = None,
+    ) -> list[Any]:
+        with self._lock:
+            if obj_id in self._aborted:
+                self._aborted.discard(obj_id)
+                raise TransferAbortedError(f"Ray aborted the read of object {obj_id}")
+        if not tensor_transport_metadata.tensor_meta:
+            return []
+        from tensorwire.runtime import placement
+        from tensorwire.runtime.ray_env import agent as runtime_agent
+        from tensorwire.runtime.ref_state import RefState
+
+        state = RefState.from_bytes(tensor_transport_metadata.state)
+        desc = state.desc
+        if target_buffers is not None and len(target_buffers) != len(desc.metas):
+            raise ValueError(f"{len(target_buffers)} target buffers for an object of {len(desc.metas)} tensors")
+        tensors, _record = runtime_agent().fetch(
+            desc,
+            state.handles,
+            dst=list(target_buffers) if target_buffers else None,
+            targets=placement.targets(desc.metas, None),
+        )
+        return tensors
+
+    def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
+        with self._lock:
+            if len(self._aborted) > 10_000:
+                self._aborted.clear()  # ids of reads that never came: bounded
+            self._aborted.add(obj_id)
+
+
+def _checked_tensors(rdt_object: list[Any]) -> list[Any]:
+    """The tensors Ray found in a method's value, ready to register (contiguous, detached).
+
+    Raises:
+        TypeError: A tensor tensorwire cannot move (sparse, quantized, nested).
+        ValueError: A tensor on a device other than cpu and cuda.
+    """
+    import torch
+
+    tensors = []
+    for tensor in rdt_object:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"tensor_transport='tensorwire' moves torch tensors; Ray handed it a {type(tensor).__name__}"
+            )
+        if tensor.device.type not in DEVICES:
+            raise ValueError(
+                f"tensor_transport='tensorwire' moves tensors on {' and '.join(DEVICES)}; this value holds one on "
+                f"{tensor.device}: move it with .to('cpu') (or a GPU) first, or return it without tensor_transport"
+            )
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+            raise TypeError(
+                f"tensor_transport='tensorwire' moves dense tensors; this value holds a {tensor.layout} "
+                "tensor: convert it with .to_dense() first"
+            )
+        detached = tensor.detach()
+        tensors.append(detached if detached.is_contiguous() else detached.contiguous())
+    return tensors
+
+
+_warned_no_tensors = False
+
+
+def _warn_no_tensors() -> None:
+    global _warned_no_tensors
+    if not _warned_no_tensors:
+        _warned_no_tensors = True
+        warnings.warn(
+            "a method with tensor_transport='tensorwire' returned a value holding no torch tensors: it travels "
+            "through Ray's object store as usual; drop tensor_transport for such methods",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def _register_here(_actor: Any = None) -> bool:
+    """In an actor (through Ray's developer hook): register the transport in this process
+    if Ray did not (the actor existed before the registration)."""
+    register()
+    return True
+
+
+_registered = False
+_register_lock = threading.Lock()
+
+
+def register() -> None:
+    """Register tensorwire with Ray as the tensor transport ``"tensorwire"`` (idempotent).
+
+    Call it before creating the actors that use it, in the process that creates them (Ray's
+    rule for custom transports); ``tw.init()`` does, and so does ``import tensorwire`` in a
+    process that has imported Ray already.
+    """
+    global _registered
+    import torch
+
+    with _register_lock:
+        if _registered:
+            return
+        try:
+            ray.experimental.register_tensor_transport(NAME, DEVICES, TensorwireTransport, torch.Tensor)
+        except ValueError as e:
+            if "already registered" not in str(e):
+                raise
+        _registered = True
