@@ -70,6 +70,7 @@ class Producer:
     def resources(self) -> dict:
         from ray.experimental.rdt.util import get_tensor_transport_manager
 
+        tw.register_ray_transport()  # (this may be the actor's first call: Ray registers it concurrently)
         stats = tw.stats()
         return {
             "published": get_tensor_transport_manager("TENSORWIRE").published_count(),
