@@ -118,6 +118,7 @@ def ray_node() -> Any:
             "value_rdt_nccl": (_value, "nccl"),
             "value_rdt_cuda_ipc": (_value, "cuda_ipc"),
             "value_rdt_nixl": (_value, "nixl"),
+            "value_rdt_tensorwire": (_value, "tensorwire"),  # tensorwire as Ray's registered transport
         }
         _ray_node.append(ray_paths.rdt_actor_class(_RayNode, methods, num_cpus=0))
     return _ray_node[0]
@@ -173,10 +174,11 @@ def _measure(
     *,
     reason: str,
     progress: Any = None,
+    tensors: int = 1,
 ) -> list[Any]:
     """A row per method, measured interleaved (:func:`_interleaved`)."""
     rows = []
-    for method, result in _interleaved(plans, nbytes, 1, options).items():
+    for method, result in _interleaved(plans, nbytes, tensors, options).items():
         baseline = plans[method].baseline
         rows.append(
             make_row(
@@ -185,6 +187,7 @@ def _measure(
                 result,
                 baseline=baseline,
                 nbytes=nbytes,
+                tensors=tensors,
                 transport="" if baseline else "auto",
                 reason=reason,
             )
@@ -226,12 +229,15 @@ def _p2p(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     if not nixl_rdt:
         notes.append("Ray RDT over nixl (CPU tensors): the nixl package is not installed (pip install nixl)")
     rows = []
-    for nbytes in options.sizes:
+    for nbytes, tensors in _p2p_cases(options.sizes):
         nodes = [tw_src, tw_dst, ray_src, ray_dst, zc_src, zc_dst]
-        _gather([n.set.remote(nbytes, 1) for n in nodes])
+        _gather([n.set.remote(nbytes, tensors) for n in nodes])
         plans = {
             "tensorwire (@tw.method ref)": _Plan(
                 functools.partial(_hand_over, tw_src, tw_dst, "value_ref"), tw_src, [tw_dst], False
+            ),
+            "tensorwire (ray.method tensor_transport)": _Plan(
+                functools.partial(_hand_over, ray_src, ray_dst, "value_rdt_tensorwire"), ray_src, [ray_dst], False
             ),
             "Ray object store": _Plan(
                 functools.partial(_hand_over, ray_src, ray_dst, "value_plain"), ray_src, [ray_dst], True
@@ -248,10 +254,22 @@ def _p2p(options: Any, progress: Any, notes: list[str]) -> list[Any]:
             plans["Ray RDT (nixl)"] = _Plan(
                 functools.partial(_hand_over, ray_src, ray_dst, "value_rdt_nixl"), ray_src, [ray_dst], True
             )
-        rows += _measure(
-            "p2p-actors", plans, nbytes, options, reason="actor -> actor, the consumer copies it in", progress=progress
-        )
+        reason = "actor -> actor, the consumer copies it in" + (f" ({tensors} tensors)" if tensors > 1 else "")
+        rows += _measure("p2p-actors", plans, nbytes, options, reason=reason, progress=progress, tensors=tensors)
     return rows
+
+
+STATE_DICT_TENSORS = 1024
+
+
+def _p2p_cases(sizes: list[int]) -> list[tuple[int, int]]:
+    """(bytes, tensors): every size as one tensor, and the largest size of at least 1 MiB
+    again as a state dict of :data:`STATE_DICT_TENSORS` tensors."""
+    cases = [(nbytes, 1) for nbytes in sizes]
+    large = [nbytes for nbytes in sizes if nbytes >= 1 << 20]
+    if large:
+        cases.append((max(large), STATE_DICT_TENSORS))
+    return cases
 
 
 def _gpu_plans(notes: list[str]) -> list[tuple[str, str, float, str]]:

@@ -13,9 +13,11 @@ Scenarios (``--scenarios``, all by default):
   nixl, ucx, gloo, host) against a bare NIXL program between the same two processes, on one
   node and across claimed nodes, the same object again and a new object each round, at every
   size and as 1,024 tensors, interleaved (:mod:`tensorwire.bench.nixl_compare`).
-* ``p2p-actors``: Ray actors: a ``@tw.method`` result passed to another actor, vs Ray's object
-  store (default, and with ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``) and Ray's direct transport
-  (gloo); the consumer copies the value into its own buffers in every case.
+* ``p2p-actors``: Ray actors: a ``@tw.method`` result and a ``@ray.method(tensor_transport=
+  "tensorwire")`` result passed to another actor, vs Ray's object store (default, and with
+  ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``) and Ray's direct transport (gloo, nixl); every size,
+  and the largest size of at least 1 MiB again as a 1,024-tensor state dict; the consumer
+  copies the value into its own buffers in every case.
 * ``one-to-n``: one actor's state into ``--peers`` actors: ``tw.WeightSync`` vs the object store
   (one put, N gets) vs torch.distributed gloo broadcast.
 * ``sharded-sync``: a ``--max-bytes`` model from 2 trainer halves into 2 replicas x TP 2
@@ -81,7 +83,7 @@ def _compare(rows: list[Row]) -> None:
 def _fits(rows: list[Row]) -> list[Fit]:
     by_method: dict[tuple[str, str], list[Row]] = {}
     for row in rows:
-        if row.scenario in ("p2p-processes", "p2p-actors", "one-to-n"):
+        if row.scenario in ("p2p-processes", "p2p-actors", "one-to-n") and row.tensors == 1:
             by_method.setdefault((row.scenario, row.method), []).append(row)
     fits = []
     for (scenario, method), group in by_method.items():
@@ -94,8 +96,10 @@ def _fits(rows: list[Row]) -> list[Fit]:
 
 def _steps(options: Options) -> int:
     """Progress steps of the selected scenarios (forced transports are added once known)."""
-    per_size = {"p2p-processes": 3, "p2p-actors": 4, "one-to-n": 3}  # memcpy + 2 autos; 4 methods; 3 methods
+    per_size = {"p2p-processes": 3, "p2p-actors": 6, "one-to-n": 3}  # memcpy + 2 autos; 6 methods; 3 methods
     steps = sum(per_size.get(s, 0) for s in options.scenarios) * len(options.sizes)
+    if "p2p-actors" in options.scenarios and any(n >= 1 << 20 for n in options.sizes):
+        steps += per_size["p2p-actors"]  # the state-dict case
     steps += 3 * ("p2p-processes" in options.scenarios)  # bare gloo, bare ucxx, bare NIXL
     steps += len(MANY_TENSORS) * ("many-tensors" in options.scenarios) + ("concurrent" in options.scenarios)
     steps += 2 * ("nixl-compare" in options.scenarios)  # one node, two nodes

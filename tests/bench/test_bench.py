@@ -179,7 +179,10 @@ def test_bench_smoke_every_scenario_tiny_sizes_checked(tmp_path):
         "torch.distributed gloo broadcast",
     ):
         assert baseline in methods
+    ray_transport = [r for r in rows if r["method"] == "tensorwire (ray.method tensor_transport)"]
+    assert [r["nbytes"] for r in ray_transport] == [4096, 65536] and not any(r["baseline"] for r in ray_transport)
     if nixl:
+        assert "Ray RDT (nixl)" in methods
         bare = [r for r in rows if r["method"] == "bare NIXL"]
         assert [r["nbytes"] for r in bare] == [4096, 65536] and all(r["baseline"] for r in bare)
         _check_nixl_compare_rows([r for r in rows if r["scenario"] == "nixl-compare"])
@@ -313,3 +316,15 @@ def test_nixl_compare_is_skipped_with_a_note_where_no_one_sided_transport_reads_
     ]
     assert bar.total == 0
     assert nixl_compare.compared(here) == (("host",), ())  # host memory across nodes, no export per object
+
+
+def test_actor_cases_add_the_largest_size_of_a_mib_or_more_as_a_state_dict():
+    from tensorwire.bench.actors import STATE_DICT_TENSORS, _p2p_cases
+
+    assert _p2p_cases([4096, 65536]) == [(4096, 1), (65536, 1)]
+    assert _p2p_cases([4096, 64 << 20, 256 << 20]) == [
+        (4096, 1),
+        (64 << 20, 1),
+        (256 << 20, 1),
+        (256 << 20, STATE_DICT_TENSORS),
+    ]
