@@ -188,6 +188,7 @@ class TensorwireTransport(TensorTransportManager):
             state.handles,
             dst=list(target_buffers) if target_buffers else None,
             targets=placement.targets(desc.metas, None),
+            pooled=True,  # host tensors on reused buffers: no page faults once one is idle again
         )
         return tensors
 

@@ -52,3 +52,10 @@ def test_ray_idioms():
     assert "a tw.Ref and a ray.ObjectRef: True" in out
     assert "rollout saw sum 1048576" in out and "step 2 sum 2097152" in out  # the buffer was reused after release
     assert "driver got 1048576 floats via shm; ready: True" in out and "stats by reference: mean 2.0" in out
+
+
+def test_ray_transport():
+    out = run_example("ray_transport.py")
+    assert "rollout loaded the trainer's weights: True" in out
+    assert "moved by: shm (same node" in out  # 4 MiB between two processes of one node
+    assert "driver got 4 tensors; first (1024, 1024)" in out and "reference transport: TENSORWIRE" in out

@@ -215,3 +215,16 @@ def test_import_registers_and_actors_made_before_registration_get_it(tmp_path):
         [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=300, env=env
     )
     assert "late 150000.0" in done.stdout and "decorated 10.0" in done.stdout, done.stderr[-3000:]
+
+
+def test_ray_get_into_buffers_the_caller_set(producer):
+    """``ray.experimental.set_target_for_ref``: the value lands in the caller's tensors."""
+    ref = producer.tensor.remote(100_000, seed=9)
+    buffer = torch.zeros(100_000)
+    ray.experimental.set_target_for_ref(ref, [buffer])
+    got = ray.get(ref, timeout=60)
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer, _expected_tensor(100_000, seed=9))
+    wrong = producer.tensor.remote(10)
+    ray.experimental.set_target_for_ref(wrong, [torch.zeros(11)])
+    with pytest.raises(ValueError, match="[Ss]hape"):
+        ray.get(wrong, timeout=60)
