@@ -12,6 +12,16 @@ fails naming the attribute if a Ray release changes it):
 * ``__ray_invocation_decorator__`` on an actor method (the decorator hook Ray applies in the
   caller) and the ``__ray_*__`` option attributes that ``@ray.method(...)`` sets on a method
   (kept when ``@tw.remote`` wraps the method).
+* ``ActorHandle.__dict__`` and its ``_ray_weak_ref`` entry (private): a ``tw.ActorHandle`` is
+  also a ``ray.actor.ActorHandle`` sharing the Ray handle's state, marked as not counting
+  (``runtime/handles.py``, ``make_handle``).
+* ``ray.ObjectRef(binary, owner_address, call_site)`` with ``ObjectRef.owner_address()`` and
+  ``.call_site()``: the reference of a ``@tw.method`` call is also an ``ObjectRef`` of its
+  result (``runtime/raycompat.py``, ``ray_ref``).
+
+Still to go (issue 35): ``runtime/raycompat.py`` finds ``ray.get`` on the caller's stack to
+decide what a ``@tw.method`` result unpickles into; the last three entries go with it when
+``@tw.method`` rests on the registered transport (``runtime/ray_transport.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ SURFACE = {
     "ActorHandle.__ray_terminate__": "reached through tensorwire handles",
     "ActorHandle.__ray_ready__": "reached through tensorwire handles",
     "method.__ray_invocation_decorator__": "tw.remote methods: the caller-side hook",
+    "ActorHandle.__dict__ / _ray_weak_ref": "tw.ActorHandle shares a Ray handle's state (private)",
+    "ObjectRef(binary, owner_address, call_site)": "tw.method results are ObjectRefs of the call",
 }
 
 

@@ -181,8 +181,8 @@ class TensorwireTransport(TensorTransportManager):
 
         state = RefState.from_bytes(tensor_transport_metadata.state)
         desc = state.desc
-        if target_buffers is not None and len(target_buffers) != len(desc.metas):
-            raise ValueError(f"{len(target_buffers)} target buffers for an object of {len(desc.metas)} tensors")
+        if target_buffers:
+            _check_buffers(target_buffers, desc.metas)
         tensors, _record = runtime_agent().fetch(
             desc,
             state.handles,
@@ -197,6 +197,26 @@ class TensorwireTransport(TensorTransportManager):
             if len(self._aborted) > 10_000:
                 self._aborted.clear()  # ids of reads that never came: bounded
             self._aborted.add(obj_id)
+
+
+def _check_buffers(buffers: list[Any], metas: Any) -> None:
+    """Buffers given with ``ray.experimental.set_target_for_ref`` match the object's tensors.
+
+    Raises:
+        ValueError: Another count, shape or dtype, or a non-contiguous buffer (naming its index).
+    """
+    from tensorwire.transport import metadata
+
+    if len(buffers) != len(metas):
+        raise ValueError(f"{len(buffers)} target buffers for an object of {len(metas)} tensors")
+    for index, (buffer, meta) in enumerate(zip(buffers, metas, strict=True)):
+        if tuple(buffer.shape) != tuple(meta.shape) or metadata.dtype_name(buffer.dtype) != meta.dtype:
+            raise ValueError(
+                f"target buffer {index} is {tuple(buffer.shape)} {buffer.dtype}; the tensor is "
+                f"{tuple(meta.shape)} {meta.dtype}: give set_target_for_ref buffers of the value's shapes and dtypes"
+            )
+        if not buffer.is_contiguous():
+            raise ValueError(f"target buffer {index} is not contiguous: pass a contiguous tensor")
 
 
 def _checked_tensors(rdt_object: list[Any]) -> list[Any]:

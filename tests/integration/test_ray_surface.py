@@ -42,9 +42,15 @@ def test_every_listed_access_is_there(ray_local):
     )
     [inner] = Decorated.remote().value.remote()
     assert ray.get(inner, timeout=60) == 2, "Ray no longer applies method.__ray_invocation_decorator__ in the caller"
+    assert "_ray_weak_ref" in vars(handle), "Ray changed ActorHandle._ray_weak_ref (listed in ray_surface.py)"
+    ref = handle.value.remote()
+    copy = ray.ObjectRef(ref.binary(), ref.owner_address(), ref.call_site())
+    assert copy == ref and ray.get(copy, timeout=60) == 1, "Ray changed ObjectRef(binary, owner_address, call_site)"
     assert set(ray_surface.SURFACE) == {
         "ActorHandle.__ray_call__",
         "ActorHandle.__ray_terminate__",
         "ActorHandle.__ray_ready__",
         "method.__ray_invocation_decorator__",
+        "ActorHandle.__dict__ / _ray_weak_ref",
+        "ObjectRef(binary, owner_address, call_site)",
     }

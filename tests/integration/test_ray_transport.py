@@ -224,7 +224,37 @@ def test_ray_get_into_buffers_the_caller_set(producer):
     ray.experimental.set_target_for_ref(ref, [buffer])
     got = ray.get(ref, timeout=60)
     assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer, _expected_tensor(100_000, seed=9))
-    wrong = producer.tensor.remote(10)
-    ray.experimental.set_target_for_ref(wrong, [torch.zeros(11)])
-    with pytest.raises(ValueError, match="[Ss]hape"):
-        ray.get(wrong, timeout=60)
+    bad_buffers = {  # Ray checks the shape itself; the dtype and the layout are tensorwire's checks
+        "[Ss]hape": torch.zeros(11),
+        "int32": torch.zeros(10, dtype=torch.int32),
+        "contiguous": torch.zeros(20)[::2],
+    }
+    for why, bad in bad_buffers.items():  # (kept alive: Ray holds target buffers weakly)
+        wrong = producer.tensor.remote(10)
+        ray.experimental.set_target_for_ref(wrong, [bad])
+        with pytest.raises(ValueError, match=why):
+            ray.get(wrong, timeout=60)
+
+
+def test_target_buffers_are_checked_before_a_read():
+    """The reader's own checks of ``set_target_for_ref`` buffers (Ray checks only shapes)."""
+    from tensorwire.runtime.ray_transport import TensorwireTransport
+
+    manager = TensorwireTransport()
+    metadata = manager.extract_tensor_transport_metadata("obj-buffers", [torch.arange(10.0)])
+    try:
+        for bad, why in (
+            (torch.zeros(11), r"target buffer 0 is \(11,\)"),
+            (torch.zeros(10, dtype=torch.int32), "int32"),
+            (torch.zeros(20)[::2], "not contiguous"),
+            (None, "2 target buffers"),
+        ):
+            buffers = [torch.zeros(10), torch.zeros(10)] if bad is None else [bad]
+            with pytest.raises(ValueError, match=why):
+                manager.recv_multiple_tensors("obj-buffers", metadata, None, buffers)
+        out = torch.zeros(10)
+        [got] = manager.recv_multiple_tensors("obj-buffers", metadata, None, [out])
+        assert got.data_ptr() == out.data_ptr() and torch.equal(out, torch.arange(10.0))
+    finally:
+        manager.garbage_collect("obj-buffers", metadata, [])
+    assert manager.published_count() == 0
