@@ -5,6 +5,7 @@ Facade only; heavy modules (torch, grpc, the agent) load on first use of an attr
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from typing import TYPE_CHECKING, Any
@@ -94,8 +95,13 @@ def register_ray_transport() -> None:
     after the registration: call this before both, in the process that creates the actors.
     ``tw.init()`` does, and so does ``import tensorwire`` where Ray is imported already.
     """
-    from tensorwire.runtime import ray_transport
-
+    try:
+        from tensorwire.runtime import ray_transport
+    except ImportError as e:
+        raise ImportError(
+            f"tensor_transport='tensorwire' needs Ray's custom tensor transports "
+            f"(ray.experimental.register_tensor_transport; verified on Ray 2.60): {e}"
+        ) from e
     ray_transport.register()
 
 
@@ -117,4 +123,7 @@ def __dir__() -> list[str]:
 
 
 if "ray" in sys.modules:  # Ray checks tensor_transport names when classes are decorated
-    register_ray_transport()
+    # the one thing import does (docs/architecture.md, "Registration with Ray"); a Ray without
+    # custom tensor transports is left alone here: tw.register_ray_transport() says what is missing
+    with contextlib.suppress(ImportError):
+        register_ray_transport()

@@ -121,6 +121,11 @@ def _get_object_ref(object_ref: Any, *, timeout_s: float | None, **options: Any)
     options; any other value is returned as Ray gives it."""
     from tensorwire.runtime.pending import raw_value
 
+    if getattr(object_ref, "tensor_transport", lambda: None)():  # Ray's direct transport (ours or another)
+        from tensorwire.runtime.ray_paths import get_direct
+
+        return get_direct(object_ref, timeout_s=timeout_s, **options)
+
     try:
         value = raw_value(object_ref, timeout_s)
     except TimeoutError:

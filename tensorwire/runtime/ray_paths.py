@@ -14,7 +14,7 @@ from typing import Any
 
 from tensorwire.transport.config import validate_timeout
 
-__all__ = ["cluster_gpus", "create_rdt_group", "kill", "put", "rdt_actor_class", "take"]
+__all__ = ["cluster_gpus", "create_rdt_group", "get_direct", "kill", "put", "rdt_actor_class", "take"]
 
 
 def put(value: Any) -> list[Any]:
@@ -67,3 +67,42 @@ def cluster_gpus() -> float:
     import ray
 
     return float(ray.cluster_resources().get("GPU", 0))
+
+
+def get_direct(
+    object_ref: Any,
+    *,
+    timeout_s: float | None,
+    device: Any = None,
+    out: Any = None,
+    transport: str = "",
+    view: bool = False,
+    pooled: bool = False,
+) -> Any:
+    """``tw.get`` of a reference of Ray's direct transport (``tensor_transport="tensorwire"``
+    or another): Ray reads it; ``out`` (a tensor, or a list of tensors in the value's order)
+    and ``device`` go through Ray's ``set_target_for_ref`` / ``set_target_device_for_ref``.
+
+    Raises:
+        ValueError: ``transport=`` or ``view=``, which Ray's reads do not take, or an ``out``
+            that is not a tensor or a list of tensors.
+    """
+    import ray
+    import torch
+
+    if transport or view:
+        raise ValueError(
+            "tw.get(ref, transport=/view=): this reference is read by Ray's direct transport, which picks its "
+            "own path; leave those out (tensor_transport='tensorwire' already picks the fastest path)"
+        )
+    if out is not None:
+        buffers = [out] if isinstance(out, torch.Tensor) else out
+        if not isinstance(buffers, (list, tuple)) or not all(isinstance(b, torch.Tensor) for b in buffers):
+            raise ValueError(
+                "tw.get(ref, out=) of a Ray direct-transport reference takes a tensor or a list of tensors in the "
+                f"value's order (ray.experimental.set_target_for_ref), got {type(out).__name__}"
+            )
+        ray.experimental.set_target_for_ref(object_ref, list(buffers))
+    elif device is not None:
+        ray.experimental.set_target_device_for_ref(object_ref, str(device))
+    return ray.get(object_ref, timeout=None if timeout_s is None else validate_timeout(timeout_s))

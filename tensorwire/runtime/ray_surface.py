@@ -1,12 +1,13 @@
 """Every part of Ray that tensorwire uses beyond Ray's documented API, in one place.
 
-Aim: none. What remains, each verified on Ray 2.60 (``tests/runtime/test_ray_surface.py``
+Aim: none. What remains, each verified on Ray 2.60 (``tests/integration/test_ray_surface.py``
 fails naming the attribute if a Ray release changes it):
 
 * ``ActorHandle.__ray_call__`` (a developer method Ray gives every actor so that libraries can
   run a function in it, ray-project/ray#41534), in the ``_ray_system`` concurrency group that
   Ray gives actors with tensor transport enabled (its own transports use both the same way).
-  Used once per actor handle by the registered transport's ``actor_has_tensor_transport``.
+  Used once per actor handle by the registered transport (``actor_has_tensor_transport`` for
+  producers, ``get_communicator_metadata`` for readers).
 * ``ActorHandle.__ray_terminate__`` and ``__ray_ready__`` (developer methods), reached
   through tensorwire's handles as through Ray's.
 * ``__ray_invocation_decorator__`` on an actor method (the decorator hook Ray applies in the
@@ -29,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RAY_VERSIONS_VERIFIED", "SURFACE", "run_on_actor"]
+__all__ = ["RAY_VERSIONS_VERIFIED", "SURFACE", "run_on_actor", "start_on_actor"]
 
 RAY_VERSIONS_VERIFIED = ("2.60",)
 
@@ -52,5 +53,10 @@ def run_on_actor(actor: Any, fn: Callable[[Any], Any], *, timeout_s: float) -> A
     """
     import ray
 
-    call = actor.__ray_call__.options(concurrency_group="_ray_system")
-    return ray.get(call.remote(fn), timeout=timeout_s)
+    return ray.get(start_on_actor(actor, fn), timeout=timeout_s)
+
+
+def start_on_actor(actor: Any, fn: Callable[[Any], Any]) -> Any:
+    """Queue ``fn(actor_instance)`` on ``actor``'s system thread without waiting; Ray's
+    ``ObjectRef`` of its result (calls from one process run there in the order queued)."""
+    return actor.__ray_call__.options(concurrency_group="_ray_system").remote(fn)

@@ -8,37 +8,39 @@ metadata to readers, ``ray.get`` / ``ray.wait``, freeing); tensorwire moves the 
 * **Producer** (:meth:`TensorwireTransport.extract_tensor_transport_metadata`, when the
   method returns or on ``ray.put(..., _tensor_transport="tensorwire")``): the tensors Ray
   found in the value become one tensorwire object of this process (kept by reference, as
-  Ray's transports do), its one-sided handles are exported, and the metadata Ray passes to
-  readers carries the object's descriptor (with its capability token) and those handles.
-* **Reader** (``recv_multiple_tensors``, in the actor the reference was passed to or in any
-  process that calls ``ray.get``): tensorwire's selector picks the path the two processes
-  share (inline for small values, shared memory or cma on one node, nixl or ucx across
-  nodes, cuda_ipc or nccl between GPUs...) and records the choice and its reason in
-  :func:`tensorwire.stats`. Reads are one-sided: the producer's Python is not involved.
+  Ray's transports do; values up to the inline size travel inside the metadata, copied at
+  return), its one-sided handles are exported, and the metadata Ray passes to readers carries
+  the object's descriptor (with its capability token) and those handles.
+* **Reader** (``recv_multiple_tensors`` in the actor the reference was passed to;
+  ``fetch_multiple_tensors`` / ``wait_fetch_complete`` for ``ray.get``): tensorwire's selector
+  picks the path the two processes share (inline for small values, shared memory or cma on one
+  node, nixl or ucx across nodes, cuda_ipc or nccl between GPUs, host as the fallback) and
+  records the choice and its reason in :func:`tensorwire.stats`. To Ray the transport is
+  one-sided: the producer's actor threads take no part (two-sided paths such as host or nccl
+  run in the producer's tensorwire agent threads).
 * **Freeing** (``garbage_collect``): Ray calls it in the producer once every reference is
   gone; the object and what its transports registered are released.
 
 Ray requires the registration in the process that creates the actors, before it creates
-them: :func:`register` is called by ``tw.init()``, by ``import tensorwire`` in a process that
-has already imported Ray, and by users as ``tw.register_ray_transport()``.
+them: :func:`register` is called by ``tw.init()``, by ``tw.register_ray_transport()`` and by
+``import tensorwire`` in a process that has already imported Ray.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.experimental.rdt.tensor_transport_manager import (
-    CommunicatorMetadata,
-    TensorTransportManager,
-    TensorTransportMetadata,
-)
+from ray.experimental import TensorTransportManager, TensorTransportMetadata
+from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata, FetchRequest
 
 from tensorwire.errors import TransferAbortedError
 
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 NAME = "TENSORWIRE"  # Ray upper-cases transport names; users write "tensorwire"
 DEVICES = ["cpu", "cuda"]
 _ACTOR_CHECK_TIMEOUT_S = 60.0  # the actor's system thread may be busy with a large read
+_ABORT_MARK_TTL_S = 600.0  # an abort for a read that never comes is forgotten after this
 
 
 @dataclass
@@ -65,6 +68,14 @@ class TensorwireCommunicator(CommunicatorMetadata):
 
 
 @dataclass
+class TensorwireFetch(FetchRequest):
+    """A read started by :meth:`TensorwireTransport.fetch_multiple_tensors` on a tensorwire
+    thread; :meth:`TensorwireTransport.wait_fetch_complete` waits for it."""
+
+    future: Any = None
+
+
+@dataclass
 class _Published:
     """An object this process published through Ray, until Ray frees it."""
 
@@ -73,12 +84,13 @@ class _Published:
 
 
 class TensorwireTransport(TensorTransportManager):
-    """Ray's tensor transport manager for tensorwire (one instance per process, made by Ray)."""
+    """Ray's tensor transport manager for tensorwire (one instance per process, made by Ray;
+    its methods may run on any of Ray's threads at once, so its tables are under a lock)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._published: dict[str, _Published] = {}
-        self._aborted: set[str] = set()
+        self._aborted: dict[str, float] = {}  # object id -> when Ray aborted its read
         self._checked_actors: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
     def tensor_transport_backend(self) -> str:
@@ -86,38 +98,52 @@ class TensorwireTransport(TensorTransportManager):
 
     @staticmethod
     def is_one_sided() -> bool:
-        return True  # readers pull; ray.get works in any process, the producer runs nothing
+        """Readers pull: ``ray.get`` works in any process and Ray never asks the producer to send."""
+        return True
 
     @staticmethod
     def can_abort_transport() -> bool:
-        return True  # every read has a deadline; an aborted read ends at its next step
+        """True: a read Ray aborts ends by its own deadline and raises; no actor need be killed."""
+        return True
 
     def actor_has_tensor_transport(self, actor: Any) -> bool:
-        """Called by Ray before each call with ``tensor_transport="tensorwire"``: the first
-        time per handle, makes sure the actor has the transport registered (an actor made
-        before the registration gets it now) and can import tensorwire."""
+        """In the caller, before each call with ``tensor_transport="tensorwire"`` (Ray's thread
+        of ``.remote()``; blocks for one call into the actor the first time per handle): makes
+        sure the actor has the transport registered, so an actor created before the
+        registration gets it now.
+
+        Raises:
+            ImportError: tensorwire cannot be imported in the actor's process.
+        """
         from tensorwire.runtime import ray_surface
 
+        if self._checked(actor):
+            return True
         try:
-            if self._checked_actors.get(actor):
-                return True
-        except TypeError:  # a handle that cannot be weakly referenced: check every time
-            pass
-        try:
-            ok = bool(ray_surface.run_on_actor(actor, _register_here, timeout_s=_ACTOR_CHECK_TIMEOUT_S))
+            ray_surface.run_on_actor(actor, _register_here, timeout_s=_ACTOR_CHECK_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return True  # a dead or stuck actor: the call itself reports it
-        if ok:
-            with contextlib.suppress(TypeError):
-                self._checked_actors[actor] = True
-        return ok
+        except ray.exceptions.RayError as e:
+            raise ImportError(
+                f"tensor_transport='tensorwire': tensorwire cannot be loaded in actor {actor} ({e}); install it "
+                "where the actor runs (the actor's runtime_env pip, or the cluster's image)"
+            ) from e
+        self._mark_checked(actor)
+        return True
 
     # ------------------------------------------------------------------ producer
 
     def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: list[Any]) -> TensorwireMetadata:
+        """In the producer, right after the method returns (its task thread) or in
+        ``ray.put`` (the caller's thread): registers the tensors as one object and exports
+        its handles. A retried task's second extraction returns the first object's metadata.
+
+        Raises:
+            ValueError, TypeError: A tensor tensorwire cannot move (naming the fix).
+        """
         with self._lock:
             published = self._published.get(obj_id)
-        if published is not None:  # a retried task's second extraction: the first copy stays
+        if published is not None:
             return published.metadata
         tensors = _checked_tensors(rdt_object)
         if not tensors:
@@ -129,21 +155,26 @@ class TensorwireTransport(TensorTransportManager):
 
         agent = runtime_agent()
         desc = register_tensors(tensors)
-        handles = agent.export_handles(desc)
-        desc = agent.described_now(desc)
-        metadata = TensorwireMetadata(
-            tensor_meta=[(t.shape, t.dtype) for t in tensors],
-            tensor_device=tensors[0].device.type,
-            state=RefState(desc, b"", handles, b"").to_bytes(),
-        )
+        try:
+            handles = agent.export_handles(desc)
+            desc = agent.described_now(desc)
+            metadata = TensorwireMetadata(
+                tensor_meta=[(t.shape, t.dtype) for t in tensors],
+                tensor_device=tensors[0].device.type,
+                state=RefState(desc, b"", handles, b"").to_bytes(),
+            )
+        except BaseException:
+            agent.free(desc)  # nothing would free it: Ray never learns of this object
+            raise
         with self._lock:
             self._published[obj_id] = _Published(metadata, desc)
         return metadata
 
     def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: list[Any]) -> None:
+        """In the producer once Ray's reference counting drops the object (its system thread,
+        or inline in Ray's free callback for an object the driver put): frees it."""
         with self._lock:
             published = self._published.pop(obj_id, None)
-            self._aborted.discard(obj_id)
         if published is not None and published.desc is not None:
             from tensorwire.runtime.ray_env import agent as runtime_agent
 
@@ -154,13 +185,68 @@ class TensorwireTransport(TensorTransportManager):
         with self._lock:
             return len(self._published)
 
-    def send_multiple_tensors(self, tensors: list[Any], tensor_transport_metadata: Any, communicator_metadata: Any):
+    def send_multiple_tensors(
+        self, tensors: list[Any], tensor_transport_metadata: Any, communicator_metadata: Any
+    ) -> None:
+        """Never called: reads are one-sided."""
         raise NotImplementedError("tensorwire reads are one-sided: Ray never asks the producer to send")
 
     # ------------------------------------------------------------------ reader
 
-    def get_communicator_metadata(self, src_actor: Any, dst_actor: Any, backend: str | None = None):
+    def get_communicator_metadata(
+        self, src_actor: Any, dst_actor: Any, backend: str | None = None
+    ) -> TensorwireCommunicator:
+        """In the owner, under Ray's lock, before it sends a reader actor its read (never
+        blocks): the first time per reader handle, queue the transport's registration in the
+        reader ahead of the read (an actor created before the registration has none; Ray runs
+        the two in order on the reader's system thread)."""
+        if dst_actor is not None and not self._checked(dst_actor):
+            from tensorwire.runtime import ray_surface
+
+            ray_surface.start_on_actor(dst_actor, _register_here)
+            self._mark_checked(dst_actor)
         return TensorwireCommunicator()
+
+    def _checked(self, actor: Any) -> bool:
+        with self._lock:
+            try:
+                return bool(self._checked_actors.get(actor))
+            except TypeError:  # a handle that cannot be weakly referenced
+                return False
+
+    def _mark_checked(self, actor: Any) -> None:
+        with self._lock, contextlib.suppress(TypeError):
+            self._checked_actors[actor] = True
+
+    def fetch_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: Any,
+        communicator_metadata: Any,
+        target_buffers: list[Any] | None = None,
+    ) -> TensorwireFetch:
+        """For ``ray.get`` (the caller's thread): starts the read on a tensorwire thread, so that
+        several objects are read at once and ``ray.get(..., timeout=)`` is honoured."""
+        from tensorwire.runtime import reading
+
+        future = reading.executor().submit(
+            self.recv_multiple_tensors, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers
+        )
+        return TensorwireFetch(obj_id=obj_id, tensors=[], future=future)
+
+    def wait_fetch_complete(self, fetch_request: Any, timeout: float = -1) -> list[Any]:
+        """The tensors of a read :meth:`fetch_multiple_tensors` started.
+
+        Raises:
+            TimeoutError: Not done within ``timeout`` seconds (-1: wait for the read, which
+                ends by its own deadline). The read's own errors.
+        """
+        if not isinstance(fetch_request, TensorwireFetch):
+            return fetch_request.tensors
+        try:
+            return fetch_request.future.result(timeout=None if timeout is None or timeout < 0 else timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the read of object {fetch_request.obj_id} is not done within {timeout} s") from None
 
     def recv_multiple_tensors(
         self,
@@ -169,10 +255,16 @@ class TensorwireTransport(TensorTransportManager):
         communicator_metadata: Any,
         target_buffers: list[Any] | None = None,
     ) -> list[Any]:
-        with self._lock:
-            if obj_id in self._aborted:
-                self._aborted.discard(obj_id)
-                raise TransferAbortedError(f"Ray aborted the read of object {obj_id}")
+        """In the reader (the actor's system thread for a task argument; a tensorwire thread
+        for ``ray.get``): the object's tensors, read through the selector, host tensors on
+        pooled buffers unless ``target_buffers`` are given.
+
+        Raises:
+            TransferAbortedError: Ray aborted this read (before it started or while it ran).
+            ValueError: ``target_buffers`` that do not match the object.
+            tensorwire's errors of the read (``OwnerDiedError``, ``ObjectFreedError``...).
+        """
+        self._take_abort(obj_id)
         if not tensor_transport_metadata.tensor_meta:
             return []
         from tensorwire.runtime import placement
@@ -190,13 +282,23 @@ class TensorwireTransport(TensorTransportManager):
             targets=placement.targets(desc.metas, None),
             pooled=True,  # host tensors on reused buffers: no page faults once one is idle again
         )
+        self._take_abort(obj_id)  # aborted while it ran: its result is dropped
         return tensors
 
     def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
+        """Ray gave up on a read of ``obj_id`` in this process (its error-monitor thread): the
+        read in progress, or the next one to start, raises ``TransferAbortedError``."""
+        now = time.monotonic()
         with self._lock:
-            if len(self._aborted) > 10_000:
-                self._aborted.clear()  # ids of reads that never came: bounded
-            self._aborted.add(obj_id)
+            for old in [k for k, when in self._aborted.items() if now - when > _ABORT_MARK_TTL_S]:
+                del self._aborted[old]
+            self._aborted[obj_id] = now
+
+    def _take_abort(self, obj_id: str) -> None:
+        with self._lock:
+            when = self._aborted.pop(obj_id, None)
+        if when is not None and time.monotonic() - when <= _ABORT_MARK_TTL_S:
+            raise TransferAbortedError(f"Ray aborted the read of object {obj_id}")
 
 
 def _check_buffers(buffers: list[Any], metas: Any) -> None:

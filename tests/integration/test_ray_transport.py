@@ -95,8 +95,14 @@ def test_ray_put_with_the_tensorwire_transport(producer, consumers):
     assert ray.get(consumers[1].checksum.remote(in_driver), timeout=60) == pytest.approx(450_000.0)
 
 
-def test_a_value_without_tensors_travels_through_ray_with_a_warning(producer):
+def test_a_value_without_tensors_travels_through_ray_with_a_warning(producer, monkeypatch):
     assert ray.get(producer.number.remote(), timeout=60) == 5
+    from tensorwire.runtime import ray_transport
+
+    monkeypatch.setattr(ray_transport, "_warned_no_tensors", False)
+    with pytest.warns(UserWarning, match="drop tensor_transport"):  # (in the producer, as here)
+        metadata = ray_transport.TensorwireTransport().extract_tensor_transport_metadata("obj-none", [])
+    assert metadata.tensor_meta == [] and metadata.state == b""
 
 
 def test_a_tensor_on_an_unsupported_device_names_the_fix(producer):
@@ -118,7 +124,9 @@ def test_wait_tensor_freed_and_gc_release_the_producers_object(producer, consume
     del ref
     gc.collect()
     assert ray.get(freed, timeout=90) is True
-    assert wait_until(lambda: ray.get(producer.resources.remote())["published"] == before["published"], timeout_s=60)
+    assert wait_until(
+        lambda: ray.get(producer.resources.remote(), timeout=60)["published"] == before["published"], timeout_s=60
+    )
 
 
 def test_a_thousand_cycles_leak_nothing(producer, consumers):
@@ -138,7 +146,7 @@ def test_a_thousand_cycles_leak_nothing(producer, consumers):
         now = ray.get(producer.resources.remote(), timeout=60)
         return now["published"] == 0 and now["objects"] <= baseline["objects"] and now["fds"] <= baseline["fds"] + 2
 
-    assert wait_until(settled, timeout_s=120), ray.get(producer.resources.remote())
+    assert wait_until(settled, timeout_s=120), ray.get(producer.resources.remote(), timeout=60)
     reader = ray.get(consumers[0].resources.remote(), timeout=60)
     assert reader["objects"] <= reader_baseline["objects"] and reader["fds"] <= reader_baseline["fds"] + 2
 
@@ -165,22 +173,56 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_aborted_read_raises_in_the_reader():
-    from ray.experimental.rdt.tensor_transport_manager import TensorTransportMetadata
+def test_aborts_before_and_during_a_read(monkeypatch):
+    """An abort for a read not yet started fails that read once; an abort that comes while a
+    read runs drops its result; an unfinished ``ray.get`` read honours its timeout."""
+    import concurrent.futures
 
-    from tensorwire.runtime.ray_transport import TensorwireTransport
+    from tensorwire.runtime import placement, ray_transport
 
-    manager = TensorwireTransport()
-    manager.abort_transport("obj", manager.get_communicator_metadata(None, None))
-    with pytest.raises(tw.TransferAbortedError, match="aborted"):
-        manager.recv_multiple_tensors("obj", TensorTransportMetadata(tensor_meta=[]), None)
-    assert manager.recv_multiple_tensors("obj", TensorTransportMetadata(tensor_meta=[]), None) == []  # once
+    manager = ray_transport.TensorwireTransport()
+    metadata = manager.extract_tensor_transport_metadata("obj-abort", [torch.arange(100_000.0)])
+    try:
+        manager.abort_transport("obj-abort", manager.get_communicator_metadata(None, None))
+        with pytest.raises(tw.TransferAbortedError, match="aborted"):
+            manager.recv_multiple_tensors("obj-abort", metadata, None)
+        [fine] = manager.recv_multiple_tensors("obj-abort", metadata, None)  # the mark is spent
+        assert torch.equal(fine, torch.arange(100_000.0))
+
+        targets = placement.targets
+
+        def aborted_meanwhile(metas, device):  # runs inside the read, before its bytes move
+            manager.abort_transport("obj-abort", None)
+            return targets(metas, device)
+
+        monkeypatch.setattr(placement, "targets", aborted_meanwhile)
+        with pytest.raises(tw.TransferAbortedError):
+            manager.recv_multiple_tensors("obj-abort", metadata, None)
+    finally:
+        manager.garbage_collect("obj-abort", metadata, [])
+    never = ray_transport.TensorwireFetch(obj_id="obj-never", tensors=[], future=concurrent.futures.Future())
+    with pytest.raises(TimeoutError, match="obj-never"):
+        manager.wait_fetch_complete(never, timeout=0.05)
+
+
+def test_tw_get_of_a_registered_transport_reference(producer):
+    """``tw.get`` takes ``out=`` and ``device=`` through Ray's target APIs, and refuses what
+    Ray's reads do not take."""
+    ref = producer.tensor.remote(50_000, seed=4)
+    buffer = torch.zeros(50_000)
+    got = tw.get(ref, out=buffer, timeout_s=60)
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer, _expected_tensor(50_000, seed=4))
+    assert torch.equal(tw.get(producer.tensor.remote(10, seed=5), device="cpu", timeout_s=60), _expected_tensor(10, 5))
+    with pytest.raises(ValueError, match="transport="):
+        tw.get(ref, transport="shm")
+    with pytest.raises(ValueError, match="list of tensors"):
+        tw.get(ref, out={"w": buffer})
 
 
 def test_import_registers_and_actors_made_before_registration_get_it(tmp_path):
     """In a fresh driver: ``import ray`` then ``import tensorwire`` registers the name (the
-    decorator accepts it); an actor created before ``register_ray_transport`` is given the
-    transport on its first call with it."""
+    decorator accepts it); a producer and a reader created before the registration are given
+    the transport on their first use of it."""
     script = tmp_path / "late.py"
     script.write_text(
         textwrap.dedent(
@@ -194,8 +236,13 @@ def test_import_registers_and_actors_made_before_registration_get_it(tmp_path):
                 def make(self):
                     return torch.full((50_000,), 3.0)
 
-            early = Early.remote()
-            ray.get(early.__ray_ready__.remote())
+            @ray.remote(enable_tensor_transport=True)
+            class EarlyReader:
+                def total(self, value):
+                    return float(value.sum())
+
+            early, early_reader = Early.remote(), EarlyReader.remote()
+            ray.get([early.__ray_ready__.remote(), early_reader.__ray_ready__.remote()])
             import tensorwire as tw  # Ray is imported: this registers "tensorwire"
 
             @ray.remote
@@ -207,6 +254,8 @@ def test_import_registers_and_actors_made_before_registration_get_it(tmp_path):
             ref = early.make.options(tensor_transport="tensorwire").remote()
             print("late", float(ray.get(ref, timeout=60).sum()))
             print("decorated", float(ray.get(Decorated.remote().make.remote(), timeout=60).sum()))
+            late_ref = early.make.options(tensor_transport="tensorwire").remote()
+            print("early reader", ray.get(early_reader.total.remote(late_ref), timeout=60))
             """
         )
     )
@@ -215,6 +264,7 @@ def test_import_registers_and_actors_made_before_registration_get_it(tmp_path):
         [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=300, env=env
     )
     assert "late 150000.0" in done.stdout and "decorated 10.0" in done.stdout, done.stderr[-3000:]
+    assert "early reader 150000.0" in done.stdout, done.stderr[-3000:]
 
 
 def test_ray_get_into_buffers_the_caller_set(producer):
@@ -224,7 +274,7 @@ def test_ray_get_into_buffers_the_caller_set(producer):
     ray.experimental.set_target_for_ref(ref, [buffer])
     got = ray.get(ref, timeout=60)
     assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer, _expected_tensor(100_000, seed=9))
-    bad_buffers = {  # Ray checks the shape itself; the dtype and the layout are tensorwire's checks
+    bad_buffers = {  # Ray's own checks answer first through ray.get
         "[Ss]hape": torch.zeros(11),
         "int32": torch.zeros(10, dtype=torch.int32),
         "contiguous": torch.zeros(20)[::2],
@@ -237,7 +287,8 @@ def test_ray_get_into_buffers_the_caller_set(producer):
 
 
 def test_target_buffers_are_checked_before_a_read():
-    """The reader's own checks of ``set_target_for_ref`` buffers (Ray checks only shapes)."""
+    """The reader's own checks of ``set_target_for_ref`` buffers, behind Ray's (which the
+    end-to-end test above meets first)."""
     from tensorwire.runtime.ray_transport import TensorwireTransport
 
     manager = TensorwireTransport()
