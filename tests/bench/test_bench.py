@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+import tensorwire as tw
 from tensorwire.bench.runner import SCENARIOS, _compare, format_table, make_row
 from tensorwire.bench.schema import SCHEMA_VERSION, Row, document, validate
 from tensorwire.bench.stats import bus_bandwidth, fit_latency_bandwidth, gbps, parse_size, percentile, sizes, summarize
@@ -328,3 +329,28 @@ def test_actor_cases_add_the_largest_size_of_a_mib_or_more_as_a_state_dict():
         (256 << 20, 1),
         (256 << 20, STATE_DICT_TENSORS),
     ]
+
+
+def test_nixl_compare_counts_rounds_with_wrong_bytes_and_goes_on(monkeypatch):
+    """A transport that delivers stale data (later fetches write nothing) is counted in
+    ``#wrong``, round by round, instead of ending the bench."""
+    from tensorwire.bench import nixl_compare
+
+    ref = tw.put(nixl_compare._value(4096, 1, 7))  # the value the bench's producer puts
+    try:
+        times, wrong = nixl_compare.get_rounds(ref, 1, "", 3, 7)
+        assert len(times) == 3 and wrong == 0
+        end, bad = nixl_compare.get_new(ref, 1, "", 7)
+        assert end > 0 and not bad
+        real_get, calls = tw.get, []
+
+        def writes_once(r, **options):  # the first fetch delivers; later ones write nothing
+            calls.append(r)
+            return real_get(r, **options) if len(calls) == 1 else options["out"]
+
+        monkeypatch.setattr(nixl_compare.tw, "get", writes_once)
+        times, wrong = nixl_compare.get_rounds(ref, 1, "", 3, 7)
+        assert len(times) == 3 and wrong == 3
+        assert nixl_compare.get_new(ref, 1, "", 7)[1]
+    finally:
+        tw.free(ref)
