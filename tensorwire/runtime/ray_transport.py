@@ -80,7 +80,7 @@ class _Published:
     """An object this process published through Ray, until Ray frees it."""
 
     metadata: TensorwireMetadata
-    desc: Any = None
+    desc: Any  # its ObjectDescriptor
 
 
 class TensorwireTransport(TensorTransportManager):
@@ -175,7 +175,7 @@ class TensorwireTransport(TensorTransportManager):
         or inline in Ray's free callback for an object the driver put): frees it."""
         with self._lock:
             published = self._published.pop(obj_id, None)
-        if published is not None and published.desc is not None:
+        if published is not None:
             from tensorwire.runtime.ray_env import agent as runtime_agent
 
             runtime_agent().free(published.desc)
@@ -366,11 +366,10 @@ def _warn_no_tensors() -> None:
         )
 
 
-def _register_here(_actor: Any = None) -> bool:
+def _register_here(_actor: Any = None) -> None:
     """In an actor (through Ray's developer hook): register the transport in this process
     if Ray did not (the actor existed before the registration)."""
     register()
-    return True
 
 
 _registered = False

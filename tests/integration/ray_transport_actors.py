@@ -12,6 +12,15 @@ import tensorwire as tw
 tw.register_ray_transport()  # before the classes: Ray checks the name when it decorates them
 
 
+def this_process_manager():
+    """Ray's instance of the tensorwire transport manager in this process (registering the
+    transport first: this may be an actor's first call, with Ray registering it concurrently)."""
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    tw.register_ray_transport()
+    return get_tensor_transport_manager("TENSORWIRE")
+
+
 def state_dict(n: int, numel: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return {f"layer{i}.weight": torch.randn(numel, generator=generator) for i in range(n)}
@@ -68,12 +77,9 @@ class Producer:
         return True
 
     def resources(self) -> dict:
-        from ray.experimental.rdt.util import get_tensor_transport_manager
-
-        tw.register_ray_transport()  # (this may be the actor's first call: Ray registers it concurrently)
         stats = tw.stats()
         return {
-            "published": get_tensor_transport_manager("TENSORWIRE").published_count(),
+            "published": this_process_manager().published_count(),
             "objects": stats["objects_owned"],
             "bytes": stats["bytes_owned"],
             "fds": len(os.listdir("/proc/self/fd")),

@@ -11,6 +11,7 @@ import ray
 import torch
 
 import tensorwire as tw
+from tests.integration.ray_transport_actors import this_process_manager
 
 tw.register_ray_transport()
 
@@ -80,16 +81,10 @@ class Worker:
     def lose(self, object_id: str) -> None:
         """Release the tensorwire object behind a reference while Ray still holds it (as if
         this process had lost it): a read must fail cleanly."""
-        from ray.experimental.rdt.util import get_tensor_transport_manager
-
-        tw.register_ray_transport()  # (this may be the actor's first call: Ray registers it concurrently)
-        get_tensor_transport_manager("TENSORWIRE").garbage_collect(object_id, None, [])
+        this_process_manager().garbage_collect(object_id, None, [])
 
     def published(self) -> int:
-        from ray.experimental.rdt.util import get_tensor_transport_manager
-
-        tw.register_ray_transport()  # (this may be the actor's first call: Ray registers it concurrently)
-        return get_tensor_transport_manager("TENSORWIRE").published_count()
+        return this_process_manager().published_count()
 
     def pid(self) -> int:
         return os.getpid()
