@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.helpers.observe import segment_count
+from tests.helpers.observe import segment_count, wait_until
 from tests.helpers.procs import Worker
 
 MIB = 1 << 20
@@ -82,7 +82,7 @@ def check(result: dict, margin_mib: float) -> None:
         assert after["fds"] <= before_fds + 4, f"file descriptors leaked: {before_fds} -> {after['fds']}"
         early, late = rss_halves_mib(result, worker)
         assert late <= early + margin_mib, f"worker {worker} RSS kept growing: peak {early:.0f} -> {late:.0f} MiB"
-    assert segment_count() <= result["segments_before"], "shared-memory segments left behind"
+    assert wait_until(lambda: segment_count() <= result["segments_before"]), "shared-memory segments left behind"
 
 
 def report(result: dict) -> None:
