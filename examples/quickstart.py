@@ -72,17 +72,18 @@ def main() -> None:
 
     ray.get(rollout.load.remote(trainer.weights.remote()))  # warm-up: both workers' agents start
     start = time.perf_counter()
-    ref = trainer.weights.remote()  # a tw.Ref: only metadata goes through Ray
+    ref = trainer.weights.remote()  # Ray's ObjectRef: only metadata goes through Ray
     transport = ray.get(rollout.load.remote(ref))  # bytes move trainer -> rollout directly
     elapsed_ms = (time.perf_counter() - start) * 1e3
     received = ray.get(rollout.checksum.remote())
 
-    print(f"state dict: {len(ref.metas)} tensors, {ref.nbytes / 2**20:.1f} MiB on {DEVICE}")
     print(f"transport: {transport}; call + transfer + load_state_dict: {elapsed_ms:.1f} ms")
     print(f"checksum trainer {expected} rollout {received}: {'OK' if expected == received else 'MISMATCH'}")
     if expected != received:
         raise SystemExit(1)
     driver_copy = ray.get(ref)  # the driver can fetch it too: Ray's own ray.get, bytes moved directly
+    nbytes = sum(t.numel() * t.element_size() for t in driver_copy.values())
+    print(f"state dict: {len(driver_copy)} tensors, {nbytes / 2**20:.1f} MiB on {DEVICE}")
     print(f"driver fetched {len(driver_copy)} tensors via {tw.stats()['recent'][-1].transport}")
     ray.shutdown()
 

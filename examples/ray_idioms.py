@@ -41,11 +41,11 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     tw.init(include_dashboard=False)
     owner = Trainer.options(name="trainer", get_if_exists=True).remote()  # keep it: the actor lives while it does
-    trainer = ray.get_actor("trainer")  # Ray's own handle: @tw.method calls still return references
+    trainer = ray.get_actor("trainer")  # Ray's own handle: @tw.method calls still return by reference
     rollout = Rollout.remote()
 
     ref = trainer.step.remote(1.0)
-    print(f"a tw.Ref and a ray.ObjectRef: {isinstance(ref, tw.Ref) and isinstance(ref, ray.ObjectRef)}")
+    print(f"Ray's own reference, tensor transport {ref.tensor_transport()}")
     ready, _ = ray.wait([ref], timeout=60)
     print(f"rollout saw sum {ray.get(rollout.total.remote(ref)):.0f}")
     value = ray.get(ref)  # the bytes move straight into the driver

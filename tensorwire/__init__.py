@@ -57,6 +57,7 @@ __all__ = [
     "free",
     "get",
     "get_actor",
+    "get_async",
     "init",
     "method",
     "passthrough",
@@ -71,6 +72,7 @@ __all__ = [
 _LAZY = {
     "init": "tensorwire.runtime.start",
     "wait": "tensorwire.runtime.api",
+    "get_async": "tensorwire.runtime.api",
     "remote": "tensorwire.runtime.actor",
     "get_actor": "tensorwire.runtime.actor",
     "ActorHandle": "tensorwire.runtime.actor",

@@ -4,7 +4,9 @@
 * the layers: nothing outside ``tensorwire/transport`` imports a backend module or compares a
   built-in transport's name; the transport layer imports neither Ray nor a layer above it;
 * no import circle among the package's modules (imports inside functions count too);
-* every built-in transport lives under ``transport/backends``.
+* every built-in transport lives under ``transport/backends``;
+* nothing walks the caller's stack (issue 35): no ``sys._getframe``, frame attributes or
+  ``inspect.stack``; no private attribute of a Ray object read outside ``runtime/ray_surface.py``'s list.
 """
 
 from __future__ import annotations
@@ -116,6 +118,70 @@ def test_the_transport_layer_imports_neither_ray_nor_the_layers_above():
         if any(name == a or name.startswith(a + ".") for a in above)
     ]
     assert not offenders, offenders
+
+
+FRAME_FUNCTIONS = {
+    ("sys", "_getframe"),
+    ("inspect", "currentframe"),
+    ("inspect", "stack"),
+    ("inspect", "getouterframes"),
+}
+FRAME_ATTRIBUTES = {"f_back", "f_locals", "f_globals", "tb_frame"}
+
+
+def _frame_walks(source: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value.id if isinstance(node.value, ast.Name) else ""
+        if (owner, node.attr) in FRAME_FUNCTIONS or node.attr in FRAME_ATTRIBUTES:
+            found.append(f"{node.lineno} .{node.attr}")
+    return found
+
+
+def test_nothing_walks_the_callers_stack():
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{found}" for path in _modules() for found in _frame_walks(path.read_text())
+    ]
+    assert not offenders, offenders
+
+
+def test_the_stack_check_finds_a_frame_walk():
+    walker = "import inspect, sys\n\ndef caller():\n    return sys._getframe(1).f_back, inspect.stack()\n"
+    assert sorted(_frame_walks(walker)) == ["4 ._getframe", "4 .f_back", "4 .stack"]
+    assert _frame_walks("import torch\n\ntorch.stack([])\n") == []
+
+
+# Private attributes of Ray objects the package may touch: each is listed, with why, in
+# runtime/ray_surface.py (whose test fails naming it if Ray changes it).
+RAY_PRIVATE_LISTED = {"_ray_weak_ref", "_ray_system"}
+
+
+def _own_attributes() -> set[str]:
+    """Attribute and method names the package itself defines (``self._ray_class = ...``): not Ray's."""
+    own = {"_ray"}  # the prefix itself, in a check of names
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                own.add(node.name)
+    return own
+
+
+def test_private_ray_attributes_only_as_listed():
+    own = _own_attributes()
+    offenders = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
+            private = isinstance(name, str) and name.startswith("_ray") and not name.startswith("__ray")
+            if private and name not in own and name not in RAY_PRIVATE_LISTED:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}")
+    assert not offenders, offenders
+    surface = (PACKAGE / "runtime" / "ray_surface.py").read_text()
+    assert all(name in surface for name in RAY_PRIVATE_LISTED)
 
 
 def test_builtin_transports_live_under_backends():

@@ -20,11 +20,10 @@ from tensorwire.errors import TransferTimeoutError
 from tensorwire.runtime import reading, values
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ref import Ref, RefState
-from tensorwire.transport import metadata
+from tensorwire.runtime.registering import register_tensors
 from tensorwire.transport.config import validate_timeout
-from tensorwire.transport.contract import MemoryKind, ObjectDescriptor, TensorKind, TensorMeta
+from tensorwire.transport.contract import MemoryKind
 from tensorwire.transport.hw import topology
-from tensorwire.transport.packing import packed_layout
 from tensorwire.transport.waiting import backoff, wait_until
 
 __all__ = [
@@ -32,6 +31,7 @@ __all__ = [
     "get",
     "get_arguments",
     "get_async",
+    "is_object_ref",
     "put",
     "register_tensors",
     "stats",
@@ -67,72 +67,35 @@ def put(value: Any) -> Ref:
     return Ref(RefState(desc, skeleton_bytes, {}, b""), skeleton)
 
 
-def register_tensors(tensors: list[torch.Tensor], kinds: list[TensorKind] | None = None) -> ObjectDescriptor:
-    """Register contiguous ``tensors`` as one object of this process, with no reference to it:
-    the caller frees it (``runtime_agent().free(desc)``). What :func:`put` and the
-    collectives build on."""
-    kinds = kinds or [TensorKind.TORCH] * len(tensors)
-    offsets, packed_nbytes = packed_layout(t.numel() * t.element_size() for t in tensors)
-    metas = tuple(
-        TensorMeta(
-            shape=tuple(t.shape),
-            dtype=metadata.dtype_name(t.dtype),
-            device=str(t.device),
-            nbytes=t.numel() * t.element_size(),
-            offset=offset,
-            kind=kind,
-            device_uuid=topology.cuda_uuid(t.get_device()) if t.device.type == "cuda" else "",
-        )
-        for t, offset, kind in zip(tensors, offsets, kinds, strict=True)
-    )
-    return runtime_agent().register(tensors, metas, packed_nbytes, ready=_ready_events(tensors))
-
-
-def _ready_events(tensors: list[torch.Tensor]) -> list[Any]:
-    """One CUDA event per device, recorded on its current stream after the work queued so far."""
-    events = []
-    for index in sorted({t.get_device() for t in tensors if t.device.type == "cuda"}):
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(index))
-        events.append((index, event))
-    return events
-
-
 def _get_one(ref: Any, **options: Any) -> Any:
     if isinstance(ref, Ref):
         return reading.get_ref(ref, **options)
-    from tensorwire.runtime.raycompat import Arrived
-
-    if isinstance(ref, Arrived):
-        return reading.get_ref(Ref(ref.state._replace(pin_id=b"")), **options)
-    if type(ref).__name__ == "ObjectRef" and type(ref).__module__.startswith("ray"):
+    if is_object_ref(ref):
         return _get_object_ref(ref, **options)
-    raise TypeError(f"tensorwire.get expects a Ref (or a list of Refs), got {type(ref).__name__}")
+    raise TypeError(f"tensorwire.get expects a Ref or a Ray ObjectRef (or a list of them), got {type(ref).__name__}")
 
 
-def _as_ref(value: Any) -> Ref:
-    from tensorwire.runtime.raycompat import state_of
+def is_object_ref(value: Any) -> bool:
+    """Whether ``value`` is a Ray ``ObjectRef`` (without importing Ray)."""
+    return type(value).__name__ == "ObjectRef" and type(value).__module__.startswith("ray")
 
-    return Ref(state_of(value)._replace(pin_id=b""))
 
+def _get_object_ref(
+    object_ref: Any, *, timeout_s: float | None, device: Any, out: Any, transport: str, view: bool, pooled: bool = False
+) -> Any:
+    """``tw.get`` of a Ray ``ObjectRef``: a direct-transport reference is read by Ray (with
+    ``out=`` / ``device=`` / ``transport=``); any other value comes from Ray's object store,
+    placed on ``device`` / into ``out``, and a ``tw.Ref`` it is gets fetched with the options."""
+    from tensorwire.runtime import ray_paths
 
-def _get_object_ref(object_ref: Any, *, timeout_s: float | None, **options: Any) -> Any:
-    """``tw.get`` of a plain Ray ``ObjectRef``: a reference it holds is fetched with the
-    options; any other value is returned as Ray gives it."""
-    from tensorwire.runtime.pending import raw_value
-
-    if getattr(object_ref, "tensor_transport", lambda: None)():  # Ray's direct transport (ours or another)
-        from tensorwire.runtime.ray_paths import get_direct
-
-        return get_direct(object_ref, timeout_s=timeout_s, **options)
-
-    try:
-        value = raw_value(object_ref, timeout_s)
-    except TimeoutError:
-        raise TransferTimeoutError(f"the Ray call has not finished within {timeout_s} s") from None
-    if isinstance(value, (Ref, RefState)) or type(value).__name__ == "Arrived":
-        return _get_one(value if isinstance(value, Ref) else _as_ref(value), timeout_s=timeout_s, **options)
-    return value
+    if object_ref.tensor_transport():  # Ray's direct transport (ours or another)
+        return ray_paths.get_direct(
+            object_ref, timeout_s=timeout_s, device=device, out=out, transport=transport, view=view
+        )
+    value = ray_paths.object_store_value(object_ref, timeout_s)
+    if isinstance(value, Ref):
+        return reading.get_ref(value, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s)
+    return reading.place_value(value, device, out)
 
 
 def get(
@@ -197,14 +160,14 @@ def get_arguments(refs: list[Ref], *, device: str | torch.device | None, transpo
     fetched concurrently. Values holding GPU tensors come as zero-copy views where the
     transport allows (cuda_ipc); host values landing on the host are copied once into pooled
     memory already faulted in (:mod:`tensorwire.transport.host_pool`), which later arguments
-    of the same size reuse once these tensors are gone; staged task results as :func:`get`.
+    of the same size reuse once these tensors are gone.
 
     Args:
-        refs: The arguments' references, resolved (their states came with the call) or staged.
+        refs: The arguments' references: ``tw.Ref``s, and Ray ``ObjectRef``s a task reads itself.
         device: Where tensors land (the call's ``device`` option or the actor's GPU).
         transport: The call's forced transport, "" for automatic.
     """
-    views = [not r.is_staged and any(m.memory is MemoryKind.CUDA for m in r.resolve().desc.metas) for r in refs]
+    views = [isinstance(r, Ref) and any(m.memory is MemoryKind.CUDA for m in r.state.desc.metas) for r in refs]
     options = {"device": device, "transport": transport, "timeout_s": None, "pooled": True}
     return _get_all(refs, [None] * len(refs), views, options)
 
@@ -215,30 +178,27 @@ async def get_async(ref: Ref | list[Ref], **kwargs: Any) -> Any:
     return await loop.run_in_executor(reading.executor(), functools.partial(get, ref, **kwargs))
 
 
-def wait(refs: list[Ref], *, num_returns: int = 1, timeout_s: float | None = None) -> tuple[list[Ref], list[Ref]]:
-    """Wait until ``num_returns`` of ``refs`` can be fetched without waiting for their call.
+def wait(refs: list[Any], *, num_returns: int = 1, timeout_s: float | None = None) -> tuple[list[Any], list[Any]]:
+    """Wait until ``num_returns`` of ``refs`` (``tw.Ref``s, always ready, and Ray ``ObjectRef``s
+    of calls) can be fetched without waiting for their call.
 
     Returns:
         ``(ready, not_ready)``: at most ``num_returns`` ready references and the rest, each
         in the order given. On timeout, fewer than ``num_returns`` may be ready.
     """
     refs = list(refs)
-    if not all(isinstance(r, Ref) for r in refs):
-        raise TypeError("tensorwire.wait expects a list of Refs")
+    if not all(isinstance(r, Ref) or is_object_ref(r) for r in refs):
+        raise TypeError("tensorwire.wait expects a list of Refs or Ray ObjectRefs")
     if not 0 <= num_returns <= len(refs):
         raise ValueError(f"num_returns={num_returns} must be between 0 and len(refs)={len(refs)}")
-    deadline = None if timeout_s is None else time.monotonic() + validate_timeout(timeout_s)
-    while True:
-        ready_ids = {id(r) for r in refs if r.ready()}
-        if len(ready_ids) >= num_returns or (deadline is not None and time.monotonic() >= deadline):
-            break
-        waiting = [r.pending.object_ref for r in refs if id(r) not in ready_ids and r.pending is not None]
-        if waiting:
-            import ray
+    ready_ids = {id(r) for r in refs if isinstance(r, Ref)}
+    calls = [r for r in refs if not isinstance(r, Ref)]
+    if calls and len(ready_ids) < num_returns:
+        from tensorwire.runtime import ray_paths
 
-            left = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
-            ray.wait(waiting, num_returns=1, timeout=left)
-        time.sleep(0.001)
+        wanted = min(len(calls), num_returns - len(ready_ids))
+        timeout = None if timeout_s is None else validate_timeout(timeout_s)
+        ready_ids |= {id(r) for r in ray_paths.wait_calls(calls, num_returns=wanted, timeout_s=timeout)}
     ready = [r for r in refs if id(r) in ready_ids][:num_returns]
     chosen = {id(r) for r in ready}
     return ready, [r for r in refs if id(r) not in chosen]
@@ -278,14 +238,18 @@ def free(ref: Ref) -> None:
     """Free the object now, in its owner, whoever still holds references.
 
     Later fetches raise ``ObjectFreedError``. Freeing twice, or after the owner exited, is a
-    no-op. A pending reference waits for its call first; a staged task result is left to
-    Ray's reference counting.
+    no-op.
+
+    Raises:
+        TypeError: Not a ``Ref``: a Ray ``ObjectRef`` (of a ``@tw.method`` call too) is freed by
+            Ray's reference counting once no copy of it is left (``del ref``).
     """
     if not isinstance(ref, Ref):
-        raise TypeError(f"tensorwire.free expects a Ref, got {type(ref).__name__}")
-    if ref.is_staged:
-        return
-    runtime_agent().free(ref.resolve().desc)
+        raise TypeError(
+            f"tensorwire.free expects a Ref, got {type(ref).__name__}: Ray frees the objects of its ObjectRefs "
+            "(those of @tw.method calls too) once no copy of the reference is left (del ref)"
+        )
+    runtime_agent().free(ref.state.desc)
 
 
 def stats() -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """Handles and methods of tensorwire actors, in the caller: ``handle.method.options(...).remote()``.
 
-A tensorwire handle is also a ``ray.actor.ActorHandle``; what makes a call return by reference
-runs in Ray's invocation decorator of the method (``actor.py``), so Ray's own handles of the
-same actor (``ray.get_actor``) return references too. What this module adds: per-call options
-(``transport``, ``device``, RDT's ``tensor_transport``), checked when given.
+A tensorwire handle is also a ``ray.actor.ActorHandle``; what a call returns is decided by the
+method itself (a ``@tw.method`` is Ray's ``@ray.method(tensor_transport="tensorwire")``) and
+its arguments are lifted by Ray's invocation decorator of the method (``actor.py``), so Ray's
+own handles of the same actor (``ray.get_actor``) work the same. What this module adds:
+per-call options (``transport``, ``device``, RDT's ``tensor_transport`` with tensorwire's
+transport names), checked when given.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ PLAIN = MethodOptions()
 
 def check_transport(name: Any, what: str) -> str | None:
     """A transport name as given to ``@tw.method`` or ``.options``, checked now rather than at
-    fetch time: "" for automatic ("" or "auto"), None for Ray's "object_store" (not by
+    fetch time: "" for automatic ("", "auto" or "tensorwire"), None for Ray's "object_store" (not by
     reference), else a registered name (Ray's upper-case spellings accepted).
 
     Raises:
@@ -58,7 +60,7 @@ def check_transport(name: Any, what: str) -> str | None:
     if not isinstance(name, str):
         raise TypeError(f"{what}: a transport name is a string, got {type(name).__name__}")
     key = name.strip().lower()
-    if key in ("", "auto"):
+    if key in ("", "auto", "tensorwire"):
         return ""
     if key == "object_store":
         return None
@@ -73,7 +75,8 @@ def check_transport(name: Any, what: str) -> str | None:
     return key
 
 
-def call_options(transport: str | None, device: Any, tensor_transport: str | None = None) -> dict[str, Any]:
+def call_options(transport: str | None, device: Any) -> dict[str, Any]:
+    """The call options a callee reads (``__tw_call__``): how its reference arguments are fetched."""
     call: dict[str, Any] = {}
     if transport:
         name = check_transport(transport, ".options(transport=...)")
@@ -83,12 +86,29 @@ def call_options(transport: str | None, device: Any, tensor_transport: str | Non
             call["transport"] = name
     if device is not None:
         call["device"] = str(device)
-    if tensor_transport is not None:  # Ray direct transport's spelling: this call returns by reference
-        name = check_transport(tensor_transport, ".options(tensor_transport=...)")
-        call["by_ref"] = name is not None
-        if name:
-            call["ref_transport"] = name
     return call
+
+
+def _by_reference(tensor_transport: str, options: MethodOptions) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``.options(tensor_transport=)`` of one call: (call options, Ray options). A transport
+    name (or "auto"/"tensorwire") makes the call return through the registered transport with
+    that name as its readers' default; "object_store" leaves a plain method plain.
+
+    Raises:
+        ValueError: An unknown name, or "object_store" on a ``@tw.method`` (Ray cannot switch a
+            decorated method's transport off per call).
+    """
+    name = check_transport(tensor_transport, ".options(tensor_transport=...)")
+    if name is None:
+        if options.by_ref:
+            raise ValueError(
+                ".options(tensor_transport='object_store') on a @tw.method: Ray cannot switch a method's tensor "
+                "transport off per call; call a plain method for a value through Ray's object store"
+            )
+        return {}, {}
+    from tensorwire.runtime import ray_transport
+
+    return {"ref_transport": name}, {"tensor_transport": ray_transport.NAME}
 
 
 class ActorMethod:
@@ -120,13 +140,16 @@ class ActorMethod:
         Raises:
             ValueError: An unknown transport name.
         """
-        call = {**self._call, **call_options(transport, device, tensor_transport)}
+        call = {**self._call, **call_options(transport, device)}
+        if tensor_transport is not None:
+            by_ref, ray_extra = _by_reference(tensor_transport, self._options)
+            call, ray_options = {**call, **by_ref}, {**ray_options, **ray_extra}
         return ActorMethod(self._handle, self._name, self._options, call, {**self._ray_options, **ray_options})
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the method. A by-reference call returns a pending :class:`Ref` (also a
-        ``ray.ObjectRef``); others a Ray ``ObjectRef``. (Ray's invocation decorator of the
-        method lifts pending arguments and wraps the result: :func:`_decorate_invocation`.)"""
+        """Call the method; Ray's ``ObjectRef`` of its result (by reference for a
+        ``@tw.method`` or with ``tensor_transport``). Ray's invocation decorator of the method
+        lifts reference arguments (``actor._decorate_invocation``)."""
         if self._call:
             kwargs[CALL_KWARG] = self._call
         ray_method = getattr(self._handle, self._name)
@@ -168,15 +191,27 @@ def make_handle(ray_handle: Any, methods: dict[str, MethodOptions] | None = None
     """A tensorwire handle over Ray's ``ray_handle`` that is also a ``ray.actor.ActorHandle``:
     it shares the Ray handle's state and holds the Ray handle itself (so Ray's count of
     handles to the actor is that one's; this copy is marked as not counting)."""
-    from tensorwire.runtime.raycompat import handle_class
-
     if isinstance(ray_handle, ActorHandle):
         ray_handle = ray_handle.ray_handle
-    cls = handle_class(ActorHandle)
+    cls = _handle_class()
     handle = cls.__new__(cls)
     handle.__dict__.update(ray_handle.__dict__)
     handle.__dict__.update(_ray_weak_ref=True, ray_handle=ray_handle, _methods=methods)
     return handle
+
+
+_joined: type | None = None
+
+
+def _handle_class() -> type:
+    """:class:`ActorHandle` joined with ``ray.actor.ActorHandle`` (made on first use, so that
+    importing tensorwire does not import Ray)."""
+    global _joined
+    if _joined is None:
+        import ray
+
+        _joined = type("ActorHandle", (ActorHandle, ray.actor.ActorHandle), {"__module__": ActorHandle.__module__})
+    return _joined
 
 
 def get_actor(name: str, namespace: str | None = None) -> ActorHandle:

@@ -12,9 +12,20 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tensorwire.errors import OwnerDiedError, TransferTimeoutError
 from tensorwire.transport.config import validate_timeout
 
-__all__ = ["cluster_gpus", "create_rdt_group", "get_direct", "kill", "put", "rdt_actor_class", "take"]
+__all__ = [
+    "cluster_gpus",
+    "create_rdt_group",
+    "get_direct",
+    "kill",
+    "object_store_value",
+    "put",
+    "rdt_actor_class",
+    "take",
+    "wait_calls",
+]
 
 
 def put(value: Any) -> list[Any]:
@@ -77,24 +88,30 @@ def get_direct(
     out: Any = None,
     transport: str = "",
     view: bool = False,
-    pooled: bool = False,
 ) -> Any:
-    """``tw.get`` of a reference of Ray's direct transport (``tensor_transport="tensorwire"``
-    or another): Ray reads it; ``out`` (a tensor, or a list of tensors in the value's order)
-    and ``device`` go through Ray's ``set_target_for_ref`` / ``set_target_device_for_ref``.
+    """``tw.get`` of a reference of Ray's direct transport (``@tw.method``,
+    ``tensor_transport="tensorwire"`` or another): Ray reads it; ``out`` (a tensor, or a list
+    of tensors in the value's order) and ``device`` go through Ray's ``set_target_for_ref`` /
+    ``set_target_device_for_ref``, ``transport`` (tensorwire's references) to its read.
 
     Raises:
-        ValueError: ``transport=`` or ``view=``, which Ray's reads do not take, or an ``out``
-            that is not a tensor or a list of tensors.
+        ValueError: ``view=``, which Ray's reads do not take; ``transport=`` for another
+            transport's reference; an ``out`` that is not a tensor or a list of tensors.
+        OwnerDiedError: The producing actor died. TransferTimeoutError: past ``timeout_s``.
     """
     import ray
     import torch
 
-    if transport or view:
+    from tensorwire.runtime import ray_transport
+
+    ours = str(object_ref.tensor_transport()).upper() == ray_transport.NAME
+    if view or (transport and not ours):
         raise ValueError(
-            "tw.get(ref, transport=/view=): this reference is read by Ray's direct transport, which picks its "
-            "own path; leave those out (tensor_transport='tensorwire' already picks the fastest path)"
+            "tw.get(ref, view=) (and transport= for another transport's reference): this reference is read by "
+            "Ray's direct transport, which returns copies and picks its own path; leave those out"
         )
+    if ours:
+        ray_transport.register()  # a task's process may not have it yet
     if out is not None:
         buffers = [out] if isinstance(out, torch.Tensor) else out
         if not isinstance(buffers, (list, tuple)) or not all(isinstance(b, torch.Tensor) for b in buffers):
@@ -105,4 +122,47 @@ def get_direct(
         ray.experimental.set_target_for_ref(object_ref, list(buffers))
     elif device is not None:
         ray.experimental.set_target_device_for_ref(object_ref, str(device))
-    return ray.get(object_ref, timeout=None if timeout_s is None else validate_timeout(timeout_s))
+    with ray_transport.read_options(transport=transport):
+        return _ray_get(object_ref, timeout_s, direct=True)
+
+
+def object_store_value(object_ref: Any, timeout_s: float | None) -> Any:
+    """The value of a Ray ``ObjectRef`` of Ray's object store (a task's result...).
+
+    Raises:
+        OwnerDiedError: The producing actor died. TransferTimeoutError: past ``timeout_s``.
+    """
+    return _ray_get(object_ref, timeout_s, direct=False)
+
+
+def _ray_get(object_ref: Any, timeout_s: float | None, *, direct: bool) -> Any:
+    """``ray.get`` of one reference (of the object store: :func:`ray_env.ray_result`, which
+    does not block an async actor's event loop; of a direct transport: ``ray.get`` itself, as
+    Ray's ``await`` and futures do not read those in Ray 2.60, and in an async actor Ray logs
+    a one-time warning about it).
+
+    Raises:
+        OwnerDiedError: The producing actor died. TransferTimeoutError: past ``timeout_s``.
+    """
+    import ray
+
+    from tensorwire.runtime.ray_env import ray_result
+
+    timeout = None if timeout_s is None else validate_timeout(timeout_s)
+    try:
+        if direct:
+            return ray.get(object_ref, timeout=timeout)
+        return ray_result(object_ref, timeout)
+    except (TimeoutError, ray.exceptions.GetTimeoutError):
+        raise TransferTimeoutError(f"the Ray call has not finished within {timeout_s} s") from None
+    except ray.exceptions.RayActorError as e:
+        raise OwnerDiedError(f"the actor that was producing this value died before returning it: {e}") from e
+
+
+def wait_calls(object_refs: list[Any], *, num_returns: int, timeout_s: float | None) -> list[Any]:
+    """Those of ``object_refs`` whose calls have finished (at least ``num_returns`` unless
+    ``timeout_s`` passes), without fetching their values."""
+    import ray
+
+    ready, _waiting = ray.wait(list(object_refs), num_returns=num_returns, timeout=timeout_s, fetch_local=False)
+    return list(ready)

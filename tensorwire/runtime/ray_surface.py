@@ -15,14 +15,12 @@ fails naming the attribute if a Ray release changes it):
   (kept when ``@tw.remote`` wraps the method).
 * ``ActorHandle.__dict__`` and its ``_ray_weak_ref`` entry (private): a ``tw.ActorHandle`` is
   also a ``ray.actor.ActorHandle`` sharing the Ray handle's state, marked as not counting
-  (``runtime/handles.py``, ``make_handle``).
-* ``ray.ObjectRef(binary, owner_address, call_site)`` with ``ObjectRef.owner_address()`` and
-  ``.call_site()``: the reference of a ``@tw.method`` call is also an ``ObjectRef`` of its
-  result (``runtime/raycompat.py``, ``ray_ref``).
+  (``runtime/handles.py``, ``make_handle``), so that ``ray.kill``, ``isinstance`` and Ray's
+  own calls take it. The one private access left.
 
-Still to go (issue 35): ``runtime/raycompat.py`` finds ``ray.get`` on the caller's stack to
-decide what a ``@tw.method`` result unpickles into; the last three entries go with it when
-``@tw.method`` rests on the registered transport (``runtime/ray_transport.py``).
+Nothing in the package walks the caller's stack (``tests/test_layout.py`` checks): a
+``@tw.method`` is Ray's ``@ray.method(tensor_transport="tensorwire")`` and its results are
+Ray's own references (``runtime/ray_transport.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ SURFACE = {
     "ActorHandle.__ray_ready__": "reached through tensorwire handles",
     "method.__ray_invocation_decorator__": "tw.remote methods: the caller-side hook",
     "ActorHandle.__dict__ / _ray_weak_ref": "tw.ActorHandle shares a Ray handle's state (private)",
-    "ObjectRef(binary, owner_address, call_site)": "tw.method results are ObjectRefs of the call",
 }
 
 

@@ -28,6 +28,7 @@ them: :func:`register` is called by ``tw.init()``, by ``tw.register_ray_transpor
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -35,6 +36,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +46,7 @@ from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata, 
 
 from tensorwire.errors import TransferAbortedError
 
-__all__ = ["DEVICES", "NAME", "TensorwireMetadata", "TensorwireTransport", "register"]
+__all__ = ["DEVICES", "NAME", "TensorwireMetadata", "TensorwireTransport", "expect", "read_options", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,55 @@ NAME = "TENSORWIRE"  # Ray upper-cases transport names; users write "tensorwire"
 DEVICES = ["cpu", "cuda"]
 _ACTOR_CHECK_TIMEOUT_S = 60.0  # the actor's system thread may be busy with a large read
 _ABORT_MARK_TTL_S = 600.0  # an abort for a read that never comes is forgotten after this
+_MAX_HINTS = 4096  # producers' transport hints not yet taken by an extraction (oldest dropped)
+
+_hints: collections.OrderedDict[int, str] = collections.OrderedDict()  # tensor address -> transport
+_hints_lock = threading.Lock()
+_reading = threading.local()  # this thread's read options (``read_options``)
+
+
+def expect(value: Any, transport: str) -> None:
+    """Producer, as a method returns ``value``: its readers' default transport is ``transport``
+    (``@tw.method(transport=)``). Noted by the address of the value's first tensor, as Ray may
+    extract the value on another thread."""
+    import torch
+
+    from tensorwire.runtime import values
+
+    _skeleton, tensors, _kinds = values.flatten(value)
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        return
+    with _hints_lock:
+        _hints[first.data_ptr()] = transport
+        while len(_hints) > _MAX_HINTS:
+            _hints.popitem(last=False)
+
+
+def _take_hint(tensors: list[Any]) -> str:
+    with _hints_lock:
+        for tensor in tensors:
+            hint = _hints.pop(tensor.data_ptr(), None) if hasattr(tensor, "data_ptr") else None
+            if hint is not None:
+                return hint
+    return ""
+
+
+@contextlib.contextmanager
+def read_options(*, transport: str = "") -> Iterator[None]:
+    """Within this block, reads of registered-transport references that Ray starts on this
+    thread (``ray.get``; a call's arguments, where Ray starts their transfer from the calling
+    thread) use ``transport`` ("" for the producer's or the automatic choice)."""
+    previous = getattr(_reading, "transport", "")
+    _reading.transport = transport
+    try:
+        yield
+    finally:
+        _reading.transport = previous
+
+
+def _read_transport() -> str:
+    return str(getattr(_reading, "transport", ""))
 
 
 @dataclass
@@ -64,7 +115,10 @@ class TensorwireMetadata(TensorTransportMetadata):
 
 @dataclass
 class TensorwireCommunicator(CommunicatorMetadata):
-    """Nothing to agree on before a read: tensorwire's peers find each other."""
+    """Nothing to agree on before a read (tensorwire's peers find each other), but the
+    caller's choice of transport for it ("" for none)."""
+
+    transport: str = ""
 
 
 @dataclass
@@ -145,13 +199,14 @@ class TensorwireTransport(TensorTransportManager):
             published = self._published.get(obj_id)
         if published is not None:
             return published.metadata
+        hint = _take_hint(rdt_object)
         tensors = _checked_tensors(rdt_object)
         if not tensors:
             _warn_no_tensors()
             return TensorwireMetadata(tensor_meta=[], tensor_device=None)
-        from tensorwire.runtime.api import register_tensors
         from tensorwire.runtime.ray_env import agent as runtime_agent
         from tensorwire.runtime.ref_state import RefState
+        from tensorwire.runtime.registering import register_tensors
 
         agent = runtime_agent()
         desc = register_tensors(tensors)
@@ -161,7 +216,7 @@ class TensorwireTransport(TensorTransportManager):
             metadata = TensorwireMetadata(
                 tensor_meta=[(t.shape, t.dtype) for t in tensors],
                 tensor_device=tensors[0].device.type,
-                state=RefState(desc, b"", handles, b"").to_bytes(),
+                state=RefState(desc, b"", handles, b"", hint).to_bytes(),
             )
         except BaseException:
             agent.free(desc)  # nothing would free it: Ray never learns of this object
@@ -205,7 +260,7 @@ class TensorwireTransport(TensorTransportManager):
 
             ray_surface.start_on_actor(dst_actor, _register_here)
             self._mark_checked(dst_actor)
-        return TensorwireCommunicator()
+        return TensorwireCommunicator(transport=_read_transport())
 
     def _checked(self, actor: Any) -> bool:
         with self._lock:
@@ -229,6 +284,9 @@ class TensorwireTransport(TensorTransportManager):
         several objects are read at once and ``ray.get(..., timeout=)`` is honoured."""
         from tensorwire.runtime import reading
 
+        transport = _read_transport()
+        if transport:
+            communicator_metadata = TensorwireCommunicator(transport=transport)
         future = reading.executor().submit(
             self.recv_multiple_tensors, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers
         )
@@ -256,8 +314,9 @@ class TensorwireTransport(TensorTransportManager):
         target_buffers: list[Any] | None = None,
     ) -> list[Any]:
         """In the reader (the actor's system thread for a task argument; a tensorwire thread
-        for ``ray.get``): the object's tensors, read through the selector, host tensors on
-        pooled buffers unless ``target_buffers`` are given.
+        for ``ray.get``): the object's tensors, read through the selector (or the transport the
+        caller or the producer chose), host tensors on pooled buffers unless
+        ``target_buffers`` are given.
 
         Raises:
             TransferAbortedError: Ray aborted this read (before it started or while it ran).
@@ -280,6 +339,7 @@ class TensorwireTransport(TensorTransportManager):
             state.handles,
             dst=list(target_buffers) if target_buffers else None,
             targets=placement.targets(desc.metas, None),
+            transport=getattr(communicator_metadata, "transport", "") or state.transport,
             pooled=True,  # host tensors on reused buffers: no page faults once one is idle again
         )
         self._take_abort(obj_id)  # aborted while it ran: its result is dropped
@@ -359,8 +419,8 @@ def _warn_no_tensors() -> None:
     if not _warned_no_tensors:
         _warned_no_tensors = True
         warnings.warn(
-            "a method with tensor_transport='tensorwire' returned a value holding no torch tensors: it travels "
-            "through Ray's object store as usual; drop tensor_transport for such methods",
+            "a method with tensor_transport='tensorwire' (or @tw.method) returned a value holding no torch tensors: "
+            "it travels through Ray's object store as usual; drop tensor_transport (or @tw.method) for such methods",
             UserWarning,
             stacklevel=2,
         )

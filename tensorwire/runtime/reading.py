@@ -8,27 +8,26 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from tensorwire.errors import TransferTimeoutError
 from tensorwire.runtime import placement, values
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport import metadata
 from tensorwire.transport.agent import destinations
 from tensorwire.transport.contract import TensorMeta
 
-__all__ = ["executor", "get_async", "get_ref"]
+__all__ = ["executor", "get_async", "get_ref", "place_value"]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _get_staged(ref: Any, device: Any, out: Any, timeout_s: float | None) -> Any:
-    value = ref.pending.get_staged(timeout_s)
+def place_value(value: Any, device: Any, out: Any) -> Any:
+    """A value that came whole (from Ray's object store), its tensors moved to ``device`` or
+    copied into ``out`` as :func:`get_ref` would place them."""
     if device is None and out is None:
         return value
     skeleton, tensors, kinds = values.flatten(value)
@@ -54,15 +53,7 @@ def get_ref(
 ) -> Any:
     """The value ``ref`` (a :class:`~.ref.Ref`) points to, fetched (``tensorwire.get``
     documents the options; ``pooled``: host tensors land in pooled memory)."""
-    if ref.is_staged:
-        ref.mark_moved("object_store")
-        return _get_staged(ref, device, out, timeout_s)
-    start = time.monotonic()
-    state = ref.resolve(timeout_s)
-    if timeout_s is not None:
-        timeout_s -= time.monotonic() - start
-        if timeout_s <= 0:
-            raise TransferTimeoutError("tensorwire.get: the deadline passed while waiting for the producing call")
+    state = ref.state
     agent = runtime_agent()
     desc = state.desc
     skeleton = ref.skeleton()

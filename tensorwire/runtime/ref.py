@@ -5,13 +5,8 @@ the value's non-tensor skeleton, and the handles of one-sided transports. It can
 (pickle or cloudpickle) and sent by any means; the bytes move only when someone calls
 :func:`tensorwire.get`.
 
-A ``Ref`` is in one of three modes:
-
-* *direct*: made by :func:`tensorwire.put`, or resolved; it carries its :class:`RefState`.
-* *pending*: returned by a ``@tw.method`` call that may still be running; it wraps Ray's
-  ``ObjectRef`` of the state the method returns (:mod:`tensorwire.runtime.pending`).
-* *staged*: returned by a ``tw.remote`` task; the value itself sits in Ray's object store,
-  because a task's worker process may be reused or exit.
+Results of ``@tw.method`` calls are Ray's own ``ObjectRef``s (Ray Direct Transport through
+tensorwire's registered transport), not ``Ref``s.
 
 Lifetime: each live direct ``Ref`` object counts as a hold of its process on the object;
 pickling pins the object until the receiving process has registered (see
@@ -40,84 +35,59 @@ _UNLOADED = object()
 
 
 class Ref:
-    """A reference to a value held by its owner process. Create with :func:`tensorwire.put`
-    or by calling a ``@tw.method``; fetch with :func:`tensorwire.get` or ``await ref``."""
+    """A reference to a value held by its owner process. Create with :func:`tensorwire.put`;
+    fetch with :func:`tensorwire.get` or ``await ref``."""
 
-    # No __slots__: the references of Ray calls' results are also ``ray.ObjectRef`` instances
-    # (runtime/raycompat.py), and a slotted base cannot be joined with Ray's class.
+    __slots__ = ("__weakref__", "_moved_by", "_skeleton", "_state")
 
-    def __init__(self, state: RefState | None = None, skeleton: Any = _UNLOADED, *, pending: Any = None):
-        # pending: a runtime.pending.Pending (not imported: pending's module imports this one's users)
+    def __init__(self, state: RefState, skeleton: Any = _UNLOADED):
         self._state = state
         self._skeleton = skeleton
-        self._pending = pending
         self._moved_by = ""
-        if state is not None:
-            agent = runtime_agent()
-            if state.travels_inline and state.desc.owner.agent_id != agent.peer.agent_id:
-                return  # the bytes are in the state: nothing to hold at the owner
-            agent.ref_attached(state.desc, state.pin_id)
-            finalizer = weakref.finalize(self, agent.ref_detached, state.desc)
-            finalizer.atexit = False
+        agent = runtime_agent()
+        if state.travels_inline and state.desc.owner.agent_id != agent.peer.agent_id:
+            return  # the bytes are in the state: nothing to hold at the owner
+        agent.ref_attached(state.desc, state.pin_id)
+        finalizer = weakref.finalize(self, agent.ref_detached, state.desc)
+        finalizer.atexit = False
 
     # ------------------------------------------------------------------ resolution
 
     @property
-    def is_staged(self) -> bool:
-        """True for task results, which live in Ray's object store rather than with an owner."""
-        return self._pending is not None and self._pending.staged
+    def state(self) -> RefState:
+        """What the reference carries (the runtime reads it; users need not)."""
+        return self._state
 
-    @property
-    def state(self) -> RefState | None:
-        """What a direct reference carries; None while its call is pending, and for a staged
-        task result (the runtime reads it; users need not)."""
+    def resolve(self, timeout_s: float | None = None) -> RefState:
+        """The state (kept for callers written for references of running calls)."""
         return self._state
 
     @property
-    def pending(self) -> Any:  # a runtime.pending.Pending, or None
-        """The producing Ray call of a pending or staged reference (None for a direct one)."""
-        return self._pending
-
-    def resolve(self, timeout_s: float | None = None) -> RefState:
-        """The state, waiting for a pending call to finish (raises its error).
-
-        Raises:
-            TypeError: A staged task result (it has no tensorwire state).
-        """
-        if self._state is not None:
-            return self._state
-        if self._pending is None or self._pending.staged:
-            raise TypeError("a staged task result has no tensorwire state; fetch it with tensorwire.get")
-        return self._pending.wait(timeout_s)
-
-    @property
     def _desc(self) -> ObjectDescriptor:
-        return self.resolve().desc
+        return self._state.desc
 
     @property
     def _handles(self) -> dict[str, bytes]:
-        return self.resolve().handles
+        return self._state.handles
 
     @property
     def _skeleton_bytes(self) -> bytes:
-        return self.resolve().skeleton_bytes
+        return self._state.skeleton_bytes
 
     @property
     def default_transport(self) -> str:
         """The transport the producer asked consumers to use ("" = automatic)."""
-        if self._state is not None:
-            return self._state.transport
-        return self._pending.transport if self._pending is not None else ""
+        return self._state.transport
 
     def skeleton(self) -> Any:
         """The value's structure with its tensors replaced by slots (unpickled once)."""
         if self._skeleton is _UNLOADED:
-            self._skeleton = pickle.loads(self.resolve().skeleton_bytes)
+            self._skeleton = pickle.loads(self._state.skeleton_bytes)
         return self._skeleton
 
     def ready(self) -> bool:
-        """Whether the value can be fetched now without waiting for a producing call."""
-        return self._state is not None or (self._pending is not None and self._pending.done())
+        """True: a ``Ref`` is made once its value exists (for ``tw.wait`` over mixed lists)."""
+        return True
 
     def __await__(self) -> Any:
         return reading.get_async(self).__await__()
@@ -126,7 +96,7 @@ class Ref:
 
     @property
     def object_id(self) -> str:
-        """The object's id as hex (never the capability token). Waits for a pending call."""
+        """The object's id as hex (never the capability token)."""
         return self._desc.object_id.hex()
 
     @property
@@ -150,13 +120,6 @@ class Ref:
     def mark_moved(self, transport: str) -> None:
         """Record that ``transport`` moved this reference's value here (read as :attr:`transport`)."""
         self._moved_by = transport
-
-    def plain_copy(self) -> Ref:
-        """A direct :class:`Ref` of the same state that is not also a ``ray.ObjectRef`` and
-        counts no hold of its own (for a copy that lives only while it is pickled)."""
-        plain = Ref.__new__(Ref)
-        plain.__dict__.update(_state=self._state, _skeleton=self._skeleton, _pending=None, _moved_by="")
-        return plain
 
     def _single(self, what: str) -> TensorMeta:
         from tensorwire.runtime.values import Slot
@@ -196,7 +159,7 @@ class Ref:
             return object.__getattribute__(self, name)  # a property that raised: its own error again
         raise UnresolvedRefError(
             f"{name!r} was asked of a tensorwire reference (tw.Ref), not of its value: fetch the value with "
-            "tw.get(ref) (or ray.get(ref)), or pass the reference as an argument of a @tw.remote actor or task, "
+            "tw.get(ref), or pass the reference as an argument of a @tw.remote actor or task, "
             "which resolves it"
         )
 
@@ -215,27 +178,19 @@ class Ref:
         raise UnresolvedRefError("len() of a tensorwire reference (tw.Ref): fetch the value first with tw.get(ref)")
 
     def __repr__(self) -> str:
-        if self._state is None:
-            kind = "staged" if self.is_staged else "pending"
-            return f"Ref({kind}, done={self.ready()})"
         desc = self._state.desc
         return f"Ref(id={desc.object_id.hex()[:12]}, tensors={len(desc.metas)}, nbytes={desc.nbytes})"
 
     # ------------------------------------------------------------------ pickling
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        if self._state is None and self._pending is not None:
-            reduced = self._pending.reduce()
-            if reduced is not None:
-                return reduced
-            self._state = self._pending.wait(0)  # resolved meanwhile: travel as a direct ref
         return (Ref, (self.outgoing_state(),))
 
     def outgoing_state(self) -> RefState:
         """The state for a copy of this reference that leaves the process: the owner exports
         one-sided handles first, and the object is pinned until the copy is received (unless
         its bytes travel inline)."""
-        state = self.resolve()
+        state = self._state
         agent = runtime_agent()
         handles, desc = state.handles, state.desc
         if desc.owner.agent_id == agent.peer.agent_id:

@@ -145,7 +145,7 @@ class AsyncConsumer:
         return torch.full((nbytes,), 3, dtype=torch.uint8)
 
     async def await_ref(self, holder) -> str:
-        value = await holder["ref"]
+        value = await tw.get_async(holder["ref"])
         return digest(value)
 
 

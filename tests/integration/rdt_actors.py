@@ -115,8 +115,11 @@ class AsyncEcho:
     async def total(self, value) -> int:
         return int(value.sum())
 
+    async def total_nested(self, holder) -> int:
+        return int(holder["ref"].sum())
+
     async def await_nested(self, holder) -> int:
-        value = await holder["ref"]
+        value = await tw.get_async(holder["ref"])
         return int(value.sum())
 
     async def blocking_get(self) -> int:

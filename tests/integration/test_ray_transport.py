@@ -206,15 +206,19 @@ def test_aborts_before_and_during_a_read(monkeypatch):
 
 
 def test_tw_get_of_a_registered_transport_reference(producer):
-    """``tw.get`` takes ``out=`` and ``device=`` through Ray's target APIs, and refuses what
-    Ray's reads do not take."""
+    """``tw.get`` takes ``out=`` and ``device=`` through Ray's target APIs and ``transport=`` to
+    the registered transport's read, and refuses what Ray's reads do not take."""
     ref = producer.tensor.remote(50_000, seed=4)
     buffer = torch.zeros(50_000)
     got = tw.get(ref, out=buffer, timeout_s=60)
     assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer, _expected_tensor(50_000, seed=4))
     assert torch.equal(tw.get(producer.tensor.remote(10, seed=5), device="cpu", timeout_s=60), _expected_tensor(10, 5))
-    with pytest.raises(ValueError, match="transport="):
-        tw.get(ref, transport="shm")
+    assert torch.equal(tw.get(ref, transport="host", timeout_s=60), _expected_tensor(50_000, seed=4))
+    assert tw.stats()["recent"][-1].transport == "host"  # not the selector's shm
+    assert torch.equal(tw.get(ref, timeout_s=60), _expected_tensor(50_000, seed=4))
+    assert tw.stats()["recent"][-1].transport == "shm"  # the option was this read's only
+    with pytest.raises(ValueError, match="view="):
+        tw.get(ref, view=True)
     with pytest.raises(ValueError, match="list of tensors"):
         tw.get(ref, out={"w": buffer})
 

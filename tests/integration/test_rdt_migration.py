@@ -207,9 +207,12 @@ def test_fetch_to_the_driver(sender):
 
 
 def test_await_refs(sender):
+    """``await tw.get_async(ref)``: Ray 2.60's own ``await ref`` does not read a direct-transport
+    reference (for any transport)."""
+
     async def main():
         first, second = sender.echo.remote(torch.ones(300_000)), sender.echo.remote(torch.full((10,), 2.0))
-        return await asyncio.gather(first, second)
+        return await asyncio.gather(tw.get_async(first), tw.get_async(second))
 
     first, second = asyncio.run(main())
     assert first.sum().item() == 300_000 and second.sum().item() == 20

@@ -14,9 +14,9 @@ def test_get_and_wait_reject_what_they_cannot_take():
     refs = [tw.put(torch.ones(3)), tw.put(torch.zeros(2))]
     with pytest.raises(ValueError, match=r"out has 1 entries for 2 refs"):
         tw.get(refs, out=[torch.empty(3)])
-    with pytest.raises(TypeError, match="expects a Ref \\(or a list of Refs\\), got int"):
+    with pytest.raises(TypeError, match="expects a Ref or a Ray ObjectRef \\(or a list of them\\), got int"):
         tw.get([refs[0], 5])
-    with pytest.raises(TypeError, match=r"tensorwire\.wait expects a list of Refs"):
+    with pytest.raises(TypeError, match=r"tensorwire\.wait expects a list of Refs or Ray ObjectRefs"):
         tw.wait([refs[0], "x"])
     with pytest.raises(ValueError, match=r"num_returns=3 must be between 0 and len\(refs\)=2"):
         tw.wait(refs, num_returns=3)
@@ -30,7 +30,7 @@ def test_method_remote_and_passthrough_reject_bad_targets():
         tw.method(transport=3)
     with pytest.raises(TypeError, match=r"@tw\.method decorates methods, got int"):
         tw.method(5)
-    with pytest.raises(TypeError, match=r"tw\.passthrough wraps a Ref, got list"):
+    with pytest.raises(TypeError, match=r"tw\.passthrough wraps a Ref or a Ray ObjectRef, got list"):
         tw.passthrough([1])
     with pytest.raises(TypeError, match=r"use @tw.remote or @tw.remote\(\*\*ray_options\)"):
         tw.remote(lambda: 1, num_cpus=1)

@@ -15,8 +15,7 @@ from torch.utils import _pytree
 import tensorwire as tw
 from tensorwire.runtime import values
 from tensorwire.runtime.handles import check_transport
-from tensorwire.runtime.raycompat import Arrived, Published, raw_states
-from tensorwire.runtime.ref import Ref, RefState
+from tensorwire.runtime.ref import Ref
 from tensorwire.transport.agent.core import get_agent
 
 
@@ -48,24 +47,11 @@ def test_a_reference_used_as_its_value_names_tw_get():
     assert bool(ref) and not hasattr(ref, "keys")  # hasattr stays quiet (also an AttributeError)
     with pytest.raises(AttributeError, match="single tensor"):
         _ = ref.shape  # a property's own error is kept
-    arrived = Arrived(ref.state)
-    with pytest.raises(tw.UnresolvedRefError, match=r"tw\.get"):
-        arrived.sum()
-    assert torch.equal(tw.get(arrived)["w"], torch.ones(3))
-
-
-def test_published_state_outside_ray_get_and_in_raw_mode():
-    ref = tw.put(torch.full((100_000,), 2.0))
-    published = Published(ref.outgoing_state().to_bytes())
-    with raw_states():
-        assert isinstance(pickle.loads(pickle.dumps(published)), RefState)
-    arrived = pickle.loads(pickle.dumps(published))  # no ray.get on the stack: a reference, untouched
-    assert isinstance(arrived, Arrived) and tw.get(arrived).sum().item() == 200_000
-    tw.free(ref)  # the raw state above was never registered: its transit pin would hold the object
 
 
 def test_transport_names_are_checked_when_given():
-    assert check_transport("SHM", "x") == "shm" and check_transport("auto", "x") == ""
+    assert check_transport("SHM", "x") == "shm"
+    assert check_transport("auto", "x") == check_transport("tensorwire", "x") == ""
     assert check_transport("OBJECT_STORE", "x") is None
     with pytest.raises(ValueError, match=r"'mooncake' is not a tensorwire transport; available: .*shm"):
         check_transport("mooncake", "x")
