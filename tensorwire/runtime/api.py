@@ -187,6 +187,7 @@ def wait(refs: list[Any], *, num_returns: int = 1, timeout_s: float | None = Non
         in the order given. On timeout, fewer than ``num_returns`` may be ready.
     """
     refs = list(refs)
+    timeout = None if timeout_s is None else validate_timeout(timeout_s)
     if not all(isinstance(r, Ref) or is_object_ref(r) for r in refs):
         raise TypeError("tensorwire.wait expects a list of Refs or Ray ObjectRefs")
     if not 0 <= num_returns <= len(refs):
@@ -197,7 +198,6 @@ def wait(refs: list[Any], *, num_returns: int = 1, timeout_s: float | None = Non
         from tensorwire.runtime import ray_paths
 
         wanted = min(len(calls), num_returns - len(ready_ids))
-        timeout = None if timeout_s is None else validate_timeout(timeout_s)
         ready_ids |= {id(r) for r in ray_paths.wait_calls(calls, num_returns=wanted, timeout_s=timeout)}
     ready = [r for r in refs if id(r) in ready_ids][:num_returns]
     chosen = {id(r) for r in ready}

@@ -1,9 +1,9 @@
 """References in a call's arguments: lifted out in the caller, put back in the callee.
 
-Ray resolves (and transfers out of band, for direct-transport references) only the top-level
-positional arguments of an actor call. In the caller (Ray's invocation decorator of each
-``@tw.remote`` method, :func:`lift`), every Ray ``ObjectRef`` in the arguments moves to a
-trailing positional argument and a :class:`_Slot` marks its place; in the callee (the
+Ray transfers direct-transport references (``@tw.method`` results) out of band only when they
+are top-level positional arguments of an actor call. In the caller (Ray's invocation
+decorator of each ``@tw.remote`` method, :func:`lift`), every such ``ObjectRef`` in the
+arguments moves to a trailing positional argument and a :class:`_Slot` marks its place; in the callee (the
 method's wrapper, :func:`resolve_arguments`) the values Ray delivered are put back and
 ``tw.Ref``s are fetched. References that must reach the method unresolved
 (``tw.passthrough``, ``@tw.method(resolve=False)``) and a task's direct-transport references
@@ -94,12 +94,12 @@ def wait_for_producers(object_refs: list[Any]) -> None:
 def lift(
     args: tuple[Any, ...], kwargs: dict[str, Any], *, task: bool, resolve: bool
 ) -> tuple[tuple[Any, ...], dict[str, Any], int]:
-    """Caller: Ray ``ObjectRef``s in the arguments move to trailing positional arguments (a
-    :class:`_Slot` marks each place), where Ray resolves them (and transfers direct-transport
-    ones out of band: it does so for top-level positional arguments only). A task's
-    direct-transport references, and references an actor method takes unresolved
-    (``resolve=False``), are boxed instead (:class:`_Boxed`); those and the ones under
-    ``tw.passthrough`` wait for their producers first (Ray #59644).
+    """Caller: direct-transport ``ObjectRef``s (``@tw.method`` results) in the arguments move
+    to trailing positional arguments (a :class:`_Slot` marks each place), where Ray transfers
+    them out of band (it does so for top-level positional arguments only). A task's, and
+    those an actor method takes unresolved (``resolve=False``), are boxed instead
+    (:class:`_Boxed`); those and the ones under ``tw.passthrough`` wait for their producers
+    first (Ray #59644). Object-store ``ObjectRef``s follow Ray's rules, untouched.
     Returns the arguments and the number lifted."""
     lifted: list[Any] = []
     producers: list[Any] = []
@@ -111,10 +111,10 @@ def lift(
             return item  # Ray hands the callee the nested reference itself
         if not _is_object_ref(item):
             return values.DESCEND
-        direct = _is_direct(item)
-        if (task and direct) or not resolve:
-            if direct:
-                producers.append(item)
+        if not _is_direct(item):
+            return item  # Ray's object store: Ray's rules (resolved at top level, nested left as it is)
+        if task or not resolve:
+            producers.append(item)
             return _Boxed(item)
         lifted.append(item)
         return _Slot(len(lifted) - 1)

@@ -39,6 +39,10 @@ class Producer:
         self.last = torch.full((nbytes,), fill, dtype=torch.uint8)
         return self.last
 
+    @tw.method(transport="host")
+    def tensor_over_host(self, nbytes: int, fill: int = 1):
+        return torch.full((nbytes,), fill, dtype=torch.uint8)
+
     @tw.method(snapshot=True)
     def tensor_snapshot(self, nbytes: int, fill: int = 1):
         self.last = torch.full((nbytes,), fill, dtype=torch.uint8)

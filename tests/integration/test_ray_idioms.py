@@ -160,9 +160,9 @@ def test_async_actor_has_no_blocking_get_warning(echo):
 
 def test_per_call_by_reference_and_transport_names(echo, other):
     value = torch.arange(50_000)
-    ref = echo.plain_echo.options(tensor_transport="SHM").remote(value)  # Ray's upper-case spelling
-    assert ref.tensor_transport() == "TENSORWIRE"  # the registered transport, shm its readers' default
-    assert torch.equal(tw.get(ref), value) and tw.stats()["recent"][-1].transport == "shm"
+    ref = echo.plain_echo.options(tensor_transport="HOST").remote(value)  # Ray's upper-case spelling
+    assert ref.tensor_transport() == "TENSORWIRE"  # the registered transport, host its readers' default
+    assert torch.equal(tw.get(ref), value) and tw.stats()["recent"][-1].transport == "host"  # (not shm)
     assert ray.get(other.double.remote(ref)).sum().item() == 2 * value.sum().item()
     plain = echo.plain_echo.options(tensor_transport="object_store").remote(value)
     assert not plain.tensor_transport() and torch.equal(ray.get(plain), value)

@@ -77,10 +77,14 @@ def test_host_arguments_reuse_memory_only_once_the_last_call_let_go_of_it(produc
     assert ray.get(consumer.kept_argument_digest.remote()) == filled(3)  # a kept argument is never reused
 
 
-def test_a_task_result_nested_in_an_actor_argument_arrives(consumer):
+def test_a_task_result_follows_rays_rules_in_an_actor_argument(consumer):
+    """A task's result sits in Ray's object store: resolved at top level, left as the
+    reference when nested (Ray's idiom for passing one on unread), which ``tw.get`` reads."""
     staged = task_tensor.remote(2 << 20, 5)  # a tw.remote task's result waits in Ray's object store
-    expected = digest({"w": torch.full((2 << 20,), 5, dtype=torch.uint8)})
-    assert ray.get(consumer.digest.remote({"w": staged})) == expected
+    expected = torch.full((2 << 20,), 5, dtype=torch.uint8)
+    assert ray.get(consumer.digest.remote(staged)) == digest(expected)
+    assert ray.get(consumer.kinds.remote({"w": staged}, [staged])) == ["dict", "list"]
+    assert ray.get(consumer.fetch_error.remote({"ref": staged})) == "ok"  # tw.get of the nested reference
 
 
 def test_thousand_tensor_state_dict(producer, consumer):
@@ -119,6 +123,16 @@ def test_per_call_transport_option(producer, consumer):
     ref = producer.tensor.remote(500_000)
     got, transport = ray.get(consumer.digest_and_transport.options(transport="host").remote(ref))
     assert transport == "host" and got == digest(torch.ones(500_000, dtype=torch.uint8))
+
+
+def test_a_methods_transport_is_its_readers_default(producer, consumer):
+    expected = digest(torch.full((500_000,), 3, dtype=torch.uint8))
+    got, transport = ray.get(consumer.digest_and_transport.remote(producer.tensor_over_host.remote(500_000, 3)))
+    assert (got, transport) == (expected, "host")  # the selector alone picks shm on one node
+    assert digest(tw.get(producer.tensor_over_host.remote(500_000, 3))) == expected
+    assert tw.stats()["recent"][-1].transport == "host"
+    got, transport = ray.get(consumer.digest_and_transport.remote(producer.tensor.remote(500_000, 3)))
+    assert (got, transport) == (expected, "shm")
 
 
 def test_wait_and_await(producer):

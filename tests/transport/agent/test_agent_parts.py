@@ -103,11 +103,9 @@ def test_ref_accessors(agent):
     value = torch.arange(6, dtype=torch.int32)
     ref = tw.put({"w": value})
     state = ref.state
-    assert state is not None and ref.pending is None
+    assert state is not None and ref.ready()
     assert ref.resolve() is state and state.desc.owner.agent_id == agent.peer.agent_id
     assert ref.skeleton() is ref.skeleton()  # unpickled once
-    copy = ref.plain_copy()
-    assert type(copy) is tw.Ref and copy.state is state and copy.pending is None
     assert ref.transport == ""
     assert torch.equal(tw.get(ref)["w"], value)
     assert ref.transport == "local"
