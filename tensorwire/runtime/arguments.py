@@ -39,7 +39,8 @@ class _Slot:
 
 
 class _Boxed:
-    """A direct-transport ``ObjectRef`` handed to a task, which reads it itself (``tw.get``)."""
+    """A direct-transport ``ObjectRef`` handed over nested: to a task, which reads it itself
+    (``tw.get``; Ray transfers to actors only), or to a method that takes it unresolved."""
 
     __slots__ = ("object_ref",)
 
@@ -179,8 +180,6 @@ def resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict[
             return _on_device(lifted[item.index], device)
         if isinstance(item, _Boxed):
             item = item.object_ref
-            if not resolve:
-                return item
         elif not isinstance(item, Ref):
             return values.DESCEND
         if not resolve:
