@@ -33,7 +33,7 @@ class Trainer:
 
 @tw.remote(num_cpus=0)
 class Rollout:
-    def total(self, weights: torch.Tensor) -> float:  # the Ref arrives as a tensor
+    def total(self, weights: torch.Tensor) -> float:  # the reference arrives as a tensor
         return float(weights.sum())
 
 

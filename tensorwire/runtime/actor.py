@@ -47,6 +47,7 @@ from tensorwire.runtime.handles import (
 from tensorwire.runtime.hooks import HOOK_METHOD, run_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ray_env import configure_process, configured, mark_async_actor
+from tensorwire.runtime.ray_transport_options import note_readers_transport, read_options
 from tensorwire.runtime.ref import Ref
 from tensorwire.runtime.registrations import with_registrations
 
@@ -106,9 +107,7 @@ def _returned(result: Any, options: MethodOptions, call: dict[str, Any]) -> Any:
         result = values.unflatten(skeleton, [t.clone() for t in tensors])
     transport = call.get("ref_transport", options.transport)
     if transport:
-        from tensorwire.runtime import ray_transport
-
-        ray_transport.expect(result, transport)
+        note_readers_transport(result, transport)
     return result
 
 
@@ -125,8 +124,6 @@ def _decorate_invocation(options: MethodOptions, invocation: Callable[..., Any])
     direct-transport arguments first). Returns Ray's reference as it is."""
 
     def invoke(args: Any, kwargs: Any) -> Any:
-        from tensorwire.runtime import ray_transport
-
         kwargs = dict(kwargs or {})
         call = dict(kwargs.pop(_CALL_KWARG, None) or {})
         args, kwargs, count = lift(tuple(args or ()), kwargs, task=False, resolve=options.resolve)
@@ -137,7 +134,7 @@ def _decorate_invocation(options: MethodOptions, invocation: Callable[..., Any])
         transport = call.get("transport", "")
         if transport:  # Ray starts a transfer from this thread only once its producer is done
             wait_for_producers(direct_references(args))
-        with ray_transport.read_options(transport=transport):
+        with read_options(transport=transport):
             return invocation(args, kwargs)
 
     return invoke
@@ -150,7 +147,7 @@ def _materialize(result: Any) -> Any:
     me = runtime_agent().peer.agent_id
 
     def leaf(item: Any, _path: str) -> Any:
-        if isinstance(item, Ref) and item.state is not None and item.state.desc.owner.agent_id == me:
+        if isinstance(item, Ref) and item.state.desc.owner.agent_id == me:
             return get(item)
         return values.DESCEND
 
@@ -302,10 +299,9 @@ class RemoteFunction:
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task; returns Ray's ``ObjectRef`` of its result (in Ray's object store:
         ``ray.get`` or ``tw.get``, which also takes ``device=`` / ``out=``)."""
-        args, kwargs, count = lift(args, kwargs, task=True, resolve=True)
-        call = {**self._call, "lifted": count} if count else self._call
-        if call:
-            kwargs[_CALL_KWARG] = call
+        args, kwargs, _lifted = lift(args, kwargs, task=True, resolve=True)  # a task's are boxed, never lifted
+        if self._call:
+            kwargs[_CALL_KWARG] = self._call
         task, options = self._task(), with_registrations(self._options)  # run-time transport registrations
         task = task if options is self._options else task.options(**options)
         return task.remote(*args, **kwargs)

@@ -110,7 +110,9 @@ def get(
     """Fetch the value a reference points to, with its structure.
 
     Args:
-        ref: A :class:`Ref`, or a list/tuple of them (fetched concurrently; a list returns).
+        ref: A :class:`Ref` or a Ray ``ObjectRef`` (a ``@tw.method`` result: ``out=`` is then a
+            tensor or a list of tensors in the value's order, and ``view=`` is refused), or a
+            list/tuple of them (fetched concurrently; a list returns).
         device: Where tensors land (default: where the producer had them if this process has
             that device, else the CPU).
         out: Existing tensors to receive into, in the value's structure (a tensor for a
@@ -121,7 +123,7 @@ def get(
         view: Return zero-copy views where the transport allows (same process: the
             producer's own tensors; same node: a copy-on-write mapping of shared memory).
             In the producer's own process views are the default.
-        timeout_s: Deadline for the fetch, including waiting for a pending call (default
+        timeout_s: Deadline for the fetch, including waiting for a Ray call to finish (default
             ``TENSORWIRE_TIMEOUT_S`` or 60 s for the transfer; no limit on the call).
 
     Raises:

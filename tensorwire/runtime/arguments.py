@@ -3,7 +3,7 @@
 Ray transfers direct-transport references (``@tw.method`` results) out of band only when they
 are top-level positional arguments of an actor call. In the caller (Ray's invocation
 decorator of each ``@tw.remote`` method, :func:`lift`), every such ``ObjectRef`` in the
-arguments moves to a trailing positional argument and a :class:`_Slot` marks its place; in the callee (the
+arguments moves to a trailing positional argument and a :class:`_LiftedArgument` marks its place; in the callee (the
 method's wrapper, :func:`resolve_arguments`) the values Ray delivered are put back and
 ``tw.Ref``s are fetched. References that must reach the method unresolved
 (``tw.passthrough``, ``@tw.method(resolve=False)``) and a task's direct-transport references
@@ -23,9 +23,10 @@ from tensorwire.transport.waiting import backoff
 __all__ = ["direct_references", "lift", "passthrough", "resolve_arguments", "wait_for_producers"]
 
 _PRODUCER_WAIT_S = 600.0  # a boxed direct-transport reference waits this long for its producer
+_POLLS_BEFORE_ERROR_CHECK = 20  # about 0.6 s of polls for the metadata before looking for a failed call
 
 
-class _Slot:
+class _LiftedArgument:
     """Stands in an argument for a Ray ``ObjectRef`` lifted to trailing positional argument
     ``index`` (Ray resolves, and transfers out of band, top-level positional ones only)."""
 
@@ -35,10 +36,10 @@ class _Slot:
         self.index = index
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_Slot, (self.index,))
+        return (_LiftedArgument, (self.index,))
 
 
-class _Boxed:
+class _Unlifted:
     """A direct-transport ``ObjectRef`` handed over nested: to a task, which reads it itself
     (``tw.get``; Ray transfers to actors only), or to a method that takes it unresolved."""
 
@@ -48,7 +49,7 @@ class _Boxed:
         self.object_ref = object_ref
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_Boxed, (self.object_ref,))
+        return (_Unlifted, (self.object_ref,))
 
 
 def _is_direct(object_ref: Any) -> bool:
@@ -61,13 +62,15 @@ def direct_references(args: tuple[Any, ...]) -> list[Any]:
     return [a for a in args if _is_object_ref(a) and _is_direct(a)]
 
 
-def wait_for_producers(object_refs: list[Any]) -> None:
+def wait_for_producers(object_refs: list[Any], *, timeout_s: float = _PRODUCER_WAIT_S) -> None:
     """Ray lends a direct-transport reference nested in a value only once its owner has the
     metadata (Ray #59644), which reaches the owner after the call ends, on its own path: wait
-    for the producing calls, then until Ray takes the references nested (bounded).
+    for the producing calls, then until Ray takes the references nested. A call that failed
+    has no metadata: its error is raised here.
 
     Raises:
-        TransferTimeoutError: A producing call has not finished within the bound.
+        TransferTimeoutError: A producing call has not finished within ``timeout_s``.
+        The producing call's own error (Ray's ``RayTaskError``, ``RayActorError``).
     """
     if not object_refs:
         return
@@ -75,20 +78,23 @@ def wait_for_producers(object_refs: list[Any]) -> None:
 
     from tensorwire.errors import TransferTimeoutError
 
-    deadline = time.monotonic() + _PRODUCER_WAIT_S
-    _ready, waiting = ray.wait(object_refs, num_returns=len(object_refs), timeout=_PRODUCER_WAIT_S, fetch_local=False)
-    pause, polls = backoff(0.001, 0.05), 0
+    deadline = time.monotonic() + timeout_s
+    _ready, waiting = ray.wait(object_refs, num_returns=len(object_refs), timeout=timeout_s, fetch_local=False)
+    pause, polls, checked = backoff(0.001, 0.05), 0, False
     while not waiting:
         try:
             ray.put(list(object_refs))  # what the call's arguments will do: nest them
             return
-        except NotImplementedError:  # the metadata is on its way
+        except NotImplementedError:  # the metadata is on its way, or the call failed
             if time.monotonic() >= deadline:
                 break
+            if not checked and polls >= _POLLS_BEFORE_ERROR_CHECK:
+                checked = True
+                ray.get(list(object_refs), timeout=max(0.0, deadline - time.monotonic()))  # a failed call raises
             time.sleep(pause(polls, 0.0))
             polls += 1
     raise TransferTimeoutError(
-        f"producing call(s) of references passed unresolved have not finished within {_PRODUCER_WAIT_S:.0f} s"
+        f"producing call(s) of references passed unresolved have not finished within {timeout_s:.0f} s"
     )
 
 
@@ -96,10 +102,10 @@ def lift(
     args: tuple[Any, ...], kwargs: dict[str, Any], *, task: bool, resolve: bool
 ) -> tuple[tuple[Any, ...], dict[str, Any], int]:
     """Caller: direct-transport ``ObjectRef``s (``@tw.method`` results) in the arguments move
-    to trailing positional arguments (a :class:`_Slot` marks each place), where Ray transfers
+    to trailing positional arguments (a :class:`_LiftedArgument` marks each place), where Ray transfers
     them out of band (it does so for top-level positional arguments only). A task's, and
     those an actor method takes unresolved (``resolve=False``), are boxed instead
-    (:class:`_Boxed`); those and the ones under ``tw.passthrough`` wait for their producers
+    (:class:`_Unlifted`); those and the ones under ``tw.passthrough`` wait for their producers
     first (Ray #59644). Object-store ``ObjectRef``s follow Ray's rules, untouched.
     Returns the arguments and the number lifted."""
     lifted: list[Any] = []
@@ -116,9 +122,9 @@ def lift(
             return item  # Ray's object store: Ray's rules (resolved at top level, nested left as it is)
         if task or not resolve:
             producers.append(item)
-            return _Boxed(item)
+            return _Unlifted(item)
         lifted.append(item)
-        return _Slot(len(lifted) - 1)
+        return _LiftedArgument(len(lifted) - 1)
 
     new_args = values.transform(args, leaf)  # top-level ones too: the callee then knows which came by reference
     new_kwargs = values.transform(kwargs, leaf)
@@ -171,14 +177,15 @@ def resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict[
     count = int(call.get("lifted", 0))
     lifted, args = (args[len(args) - count :], args[: len(args) - count]) if count else ((), args)
     device = call.get("device")
+    default_device = _actor_device() if count else None
     found: list[Any] = []
 
     def leaf(item: Any, _path: str) -> Any:
         if isinstance(item, passthrough):
             return item.ref
-        if isinstance(item, _Slot):
+        if isinstance(item, _LiftedArgument):
             return _on_device(lifted[item.index], device)
-        if isinstance(item, _Boxed):
+        if isinstance(item, _Unlifted):
             item = item.object_ref
         elif not isinstance(item, Ref):
             return values.DESCEND
@@ -193,5 +200,7 @@ def resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict[
     # Arguments are inputs the method consumes (often copying them into its own parameters):
     # host values come by one copy into pooled memory that the next call's arguments reuse,
     # GPU values as zero-copy views where the transport allows.
-    fetched = get_arguments(found, device=device or _actor_device(), transport=call.get("transport", ""))
+    fetched = get_arguments(
+        found, device=device or default_device or _actor_device(), transport=call.get("transport", "")
+    )
     return values.unflatten(skeleton, fetched)

@@ -191,12 +191,14 @@ def make_handle(ray_handle: Any, methods: dict[str, MethodOptions] | None = None
     """A tensorwire handle over Ray's ``ray_handle`` that is also a ``ray.actor.ActorHandle``:
     it shares the Ray handle's state and holds the Ray handle itself (so Ray's count of
     handles to the actor is that one's; this copy is marked as not counting)."""
+    from tensorwire.runtime import ray_surface
+
     if isinstance(ray_handle, ActorHandle):
         ray_handle = ray_handle.ray_handle
     cls = _handle_class()
     handle = cls.__new__(cls)
-    handle.__dict__.update(ray_handle.__dict__)
-    handle.__dict__.update(_ray_weak_ref=True, ray_handle=ray_handle, _methods=methods)
+    ray_surface.share_handle_state(handle, ray_handle)
+    handle.__dict__.update(ray_handle=ray_handle, _methods=methods)
     return handle
 
 

@@ -1,9 +1,7 @@
-"""Ray's own ways of moving tensors, for the benchmarks that compare tensorwire with them.
-
-The bench's baselines run in plain Ray actors: Ray's object store (``put`` once, ``get`` in
-each consumer) and Ray's direct transport (RDT: methods declared with a tensor transport,
-over a Ray collective group). This module holds every Ray call they need, so that Ray is
-imported in the runtime only.
+"""Reading Ray's references for ``tw.get`` (direct transport and object store), and Ray's
+own ways of moving tensors for the benchmarks that compare tensorwire with them (the object
+store: ``put`` once, ``get`` in each consumer; Ray's direct transport over a collective
+group). Every such Ray call is here, so that Ray is imported in the runtime only.
 """
 
 from __future__ import annotations
@@ -90,9 +88,11 @@ def get_direct(
     view: bool = False,
 ) -> Any:
     """``tw.get`` of a reference of Ray's direct transport (``@tw.method``,
-    ``tensor_transport="tensorwire"`` or another): Ray reads it; ``out`` (a tensor, or a list
-    of tensors in the value's order) and ``device`` go through Ray's ``set_target_for_ref`` /
-    ``set_target_device_for_ref``, ``transport`` (tensorwire's references) to its read.
+    ``tensor_transport="tensorwire"`` or another): Ray reads it. For tensorwire's references
+    ``out`` (a tensor, or a list of tensors in the value's order), ``device`` and ``transport``
+    apply to this read only (:func:`.ray_transport_options.read_options`); for another transport's,
+    ``out`` and ``device`` go through Ray's ``set_target_for_ref`` /
+    ``set_target_device_for_ref``, which stay set on the reference.
 
     Raises:
         ValueError: ``view=``, which Ray's reads do not take; ``transport=`` for another
@@ -103,6 +103,7 @@ def get_direct(
     import torch
 
     from tensorwire.runtime import ray_transport
+    from tensorwire.runtime.ray_transport_options import read_options
 
     ours = str(object_ref.tensor_transport()).upper() == ray_transport.NAME
     if view or (transport and not ours):
@@ -110,8 +111,7 @@ def get_direct(
             "tw.get(ref, view=) (and transport= for another transport's reference): this reference is read by "
             "Ray's direct transport, which returns copies and picks its own path; leave those out"
         )
-    if ours:
-        ray_transport.register()  # a task's process may not have it yet
+    buffers = None
     if out is not None:
         buffers = [out] if isinstance(out, torch.Tensor) else out
         if not isinstance(buffers, (list, tuple)) or not all(isinstance(b, torch.Tensor) for b in buffers):
@@ -119,10 +119,15 @@ def get_direct(
                 "tw.get(ref, out=) of a Ray direct-transport reference takes a tensor or a list of tensors in the "
                 f"value's order (ray.experimental.set_target_for_ref), got {type(out).__name__}"
             )
-        ray.experimental.set_target_for_ref(object_ref, list(buffers))
-    elif device is not None:
-        ray.experimental.set_target_device_for_ref(object_ref, str(device))
-    with ray_transport.read_options(transport=transport):
+    if not ours:  # another transport: Ray's targets (which stay set on the reference)
+        if buffers is not None:
+            ray.experimental.set_target_for_ref(object_ref, list(buffers))
+        elif device is not None:
+            ray.experimental.set_target_device_for_ref(object_ref, str(device))
+        return _ray_get(object_ref, timeout_s, direct=True)
+    ray_transport.register()  # a task's process may not have it yet
+    targets = list(buffers) if buffers is not None else None
+    with read_options(transport=transport, target_buffers=targets, device=device):
         return _ray_get(object_ref, timeout_s, direct=True)
 
 
@@ -155,6 +160,8 @@ def _ray_get(object_ref: Any, timeout_s: float | None, *, direct: bool) -> Any:
         return ray_result(object_ref, timeout)
     except (TimeoutError, ray.exceptions.GetTimeoutError):
         raise TransferTimeoutError(f"the Ray call has not finished within {timeout_s} s") from None
+    except ray.exceptions.ObjectFetchTimedOutError as e:
+        raise TransferTimeoutError(f"Ray gave up reading the value: {e}") from e
     except ray.exceptions.RayActorError as e:
         raise OwnerDiedError(f"the actor that was producing this value died before returning it: {e}") from e
 

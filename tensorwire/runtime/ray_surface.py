@@ -15,8 +15,9 @@ fails naming the attribute if a Ray release changes it):
   (kept when ``@tw.remote`` wraps the method).
 * ``ActorHandle.__dict__`` and its ``_ray_weak_ref`` entry (private): a ``tw.ActorHandle`` is
   also a ``ray.actor.ActorHandle`` sharing the Ray handle's state, marked as not counting
-  (``runtime/handles.py``, ``make_handle``), so that ``ray.kill``, ``isinstance`` and Ray's
-  own calls take it. The one private access left.
+  (:func:`share_handle_state`, for ``make_handle`` in ``runtime/handles.py``), so that
+  ``ray.kill``, ``isinstance`` and Ray's own calls take it. The one private access left, and
+  made here only.
 
 Nothing in the package walks the caller's stack (``tests/test_layout.py`` checks): a
 ``@tw.method`` is Ray's ``@ray.method(tensor_transport="tensorwire")`` and its results are
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RAY_VERSIONS_VERIFIED", "SURFACE", "run_on_actor", "start_on_actor"]
+__all__ = ["RAY_VERSIONS_VERIFIED", "SURFACE", "run_on_actor", "share_handle_state", "start_on_actor"]
 
 RAY_VERSIONS_VERIFIED = ("2.60",)
 
@@ -57,3 +58,11 @@ def start_on_actor(actor: Any, fn: Callable[[Any], Any]) -> Any:
     """Queue ``fn(actor_instance)`` on ``actor``'s system thread without waiting; Ray's
     ``ObjectRef`` of its result (calls from one process run there in the order queued)."""
     return actor.__ray_call__.options(concurrency_group="_ray_system").remote(fn)
+
+
+def share_handle_state(handle: Any, ray_handle: Any) -> None:
+    """Make ``handle`` (an instance of a subclass of ``ray.actor.ActorHandle``) share
+    ``ray_handle``'s state, marked as not counting towards Ray's handles of the actor (the
+    caller keeps ``ray_handle`` itself, which does)."""
+    handle.__dict__.update(ray_handle.__dict__)
+    handle.__dict__["_ray_weak_ref"] = True

@@ -28,7 +28,6 @@ them: :func:`register` is called by ``tw.init()``, by ``tw.register_ray_transpor
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -36,7 +35,6 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +43,9 @@ from ray.experimental import TensorTransportManager, TensorTransportMetadata
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata, FetchRequest
 
 from tensorwire.errors import TransferAbortedError
+from tensorwire.runtime.ray_transport_options import current_read_options, read_pool, take_hint
 
-__all__ = ["DEVICES", "NAME", "TensorwireMetadata", "TensorwireTransport", "expect", "read_options", "register"]
+__all__ = ["DEVICES", "NAME", "TensorwireMetadata", "TensorwireTransport", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,55 +53,6 @@ NAME = "TENSORWIRE"  # Ray upper-cases transport names; users write "tensorwire"
 DEVICES = ["cpu", "cuda"]
 _ACTOR_CHECK_TIMEOUT_S = 60.0  # the actor's system thread may be busy with a large read
 _ABORT_MARK_TTL_S = 600.0  # an abort for a read that never comes is forgotten after this
-_MAX_HINTS = 4096  # producers' transport hints not yet taken by an extraction (oldest dropped)
-
-_hints: collections.OrderedDict[int, str] = collections.OrderedDict()  # tensor address -> transport
-_hints_lock = threading.Lock()
-_reading = threading.local()  # this thread's read options (``read_options``)
-
-
-def expect(value: Any, transport: str) -> None:
-    """Producer, as a method returns ``value``: its readers' default transport is ``transport``
-    (``@tw.method(transport=)``). Noted by the address of the value's first tensor, as Ray may
-    extract the value on another thread."""
-    import torch
-
-    from tensorwire.runtime import values
-
-    _skeleton, tensors, _kinds = values.flatten(value)
-    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
-    if first is None:
-        return
-    with _hints_lock:
-        _hints[first.data_ptr()] = transport
-        while len(_hints) > _MAX_HINTS:
-            _hints.popitem(last=False)
-
-
-def _take_hint(tensors: list[Any]) -> str:
-    with _hints_lock:
-        for tensor in tensors:
-            hint = _hints.pop(tensor.data_ptr(), None) if hasattr(tensor, "data_ptr") else None
-            if hint is not None:
-                return hint
-    return ""
-
-
-@contextlib.contextmanager
-def read_options(*, transport: str = "") -> Iterator[None]:
-    """Within this block, reads of registered-transport references that Ray starts on this
-    thread (``ray.get``; a call's arguments, where Ray starts their transfer from the calling
-    thread) use ``transport`` ("" for the producer's or the automatic choice)."""
-    previous = getattr(_reading, "transport", "")
-    _reading.transport = transport
-    try:
-        yield
-    finally:
-        _reading.transport = previous
-
-
-def _read_transport() -> str:
-    return str(getattr(_reading, "transport", ""))
 
 
 @dataclass
@@ -195,11 +145,11 @@ class TensorwireTransport(TensorTransportManager):
         Raises:
             ValueError, TypeError: A tensor tensorwire cannot move (naming the fix).
         """
+        hint = take_hint(rdt_object)  # before the retry check: a retry's note goes too
         with self._lock:
             published = self._published.get(obj_id)
         if published is not None:
             return published.metadata
-        hint = _take_hint(rdt_object)
         tensors = _checked_tensors(rdt_object)
         if not tensors:
             _warn_no_tensors()
@@ -260,7 +210,7 @@ class TensorwireTransport(TensorTransportManager):
 
             ray_surface.start_on_actor(dst_actor, _register_here)
             self._mark_checked(dst_actor)
-        return TensorwireCommunicator(transport=_read_transport())
+        return TensorwireCommunicator(transport=current_read_options().transport)
 
     def _checked(self, actor: Any) -> bool:
         with self._lock:
@@ -281,14 +231,16 @@ class TensorwireTransport(TensorTransportManager):
         target_buffers: list[Any] | None = None,
     ) -> TensorwireFetch:
         """For ``ray.get`` (the caller's thread): starts the read on a tensorwire thread, so that
-        several objects are read at once and ``ray.get(..., timeout=)`` is honoured."""
-        from tensorwire.runtime import reading
-
-        transport = _read_transport()
-        if transport:
-            communicator_metadata = TensorwireCommunicator(transport=transport)
-        future = reading.executor().submit(
-            self.recv_multiple_tensors, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers
+        several objects are read at once and ``ray.get(..., timeout=)`` is honoured; the
+        thread's :func:`read_options` apply."""
+        options = current_read_options()
+        future = read_pool().submit(
+            self._read,
+            obj_id,
+            tensor_transport_metadata,
+            TensorwireCommunicator(transport=options.transport) if options.transport else communicator_metadata,
+            target_buffers or options.target_buffers,
+            options.device,
         )
         return TensorwireFetch(obj_id=obj_id, tensors=[], future=future)
 
@@ -313,16 +265,21 @@ class TensorwireTransport(TensorTransportManager):
         communicator_metadata: Any,
         target_buffers: list[Any] | None = None,
     ) -> list[Any]:
-        """In the reader (the actor's system thread for a task argument; a tensorwire thread
-        for ``ray.get``): the object's tensors, read through the selector (or the transport the
-        caller or the producer chose), host tensors on pooled buffers unless
-        ``target_buffers`` are given.
+        """In the reader (the actor's system thread for a task argument): the object's tensors,
+        read through the selector (or the transport the caller or the producer chose), host
+        tensors on pooled buffers unless ``target_buffers`` are given.
 
         Raises:
             TransferAbortedError: Ray aborted this read (before it started or while it ran).
             ValueError: ``target_buffers`` that do not match the object.
             tensorwire's errors of the read (``OwnerDiedError``, ``ObjectFreedError``...).
         """
+        return self._read(obj_id, tensor_transport_metadata, communicator_metadata, target_buffers, None)
+
+    def _read(
+        self, obj_id: str, tensor_transport_metadata: Any, communicator_metadata: Any, target_buffers: Any, device: Any
+    ) -> list[Any]:
+        """:meth:`recv_multiple_tensors`, landing on ``device`` (None: where the producer had them)."""
         self._take_abort(obj_id)
         if not tensor_transport_metadata.tensor_meta:
             return []
@@ -338,7 +295,7 @@ class TensorwireTransport(TensorTransportManager):
             desc,
             state.handles,
             dst=list(target_buffers) if target_buffers else None,
-            targets=placement.targets(desc.metas, None),
+            targets=placement.targets(desc.metas, device),
             transport=getattr(communicator_metadata, "transport", "") or state.transport,
             pooled=True,  # host tensors on reused buffers: no page faults once one is idle again
         )

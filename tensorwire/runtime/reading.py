@@ -1,6 +1,7 @@
-"""Fetching the value behind one reference: resolve it, fetch its tensors through the
-agent, make the value. :func:`tensorwire.get` and ``await ref`` come here; the reference is
-used only through its own methods, so this module does not import :mod:`.ref`.
+"""Fetching the value behind one ``tw.Ref``: fetch its tensors through the agent, make the
+value; and placing a value that came whole from Ray's object store. :func:`tensorwire.get`
+and ``await ref`` come here; the reference is used only through its own methods, so this
+module does not import :mod:`.ref`.
 """
 
 from __future__ import annotations

@@ -58,10 +58,6 @@ class Ref:
         """What the reference carries (the runtime reads it; users need not)."""
         return self._state
 
-    def resolve(self, timeout_s: float | None = None) -> RefState:
-        """The state (kept for callers written for references of running calls)."""
-        return self._state
-
     @property
     def _desc(self) -> ObjectDescriptor:
         return self._state.desc
@@ -84,10 +80,6 @@ class Ref:
         if self._skeleton is _UNLOADED:
             self._skeleton = pickle.loads(self._state.skeleton_bytes)
         return self._skeleton
-
-    def ready(self) -> bool:
-        """True: a ``Ref`` is made once its value exists (for ``tw.wait`` over mixed lists)."""
-        return True
 
     def __await__(self) -> Any:
         return reading.get_async(self).__await__()
@@ -148,7 +140,7 @@ class Ref:
     @property
     def transport(self) -> str:
         """The transport that moved this reference's value into this process the last time
-        it was fetched here ("" before any fetch; "object_store" for a task's staged result)."""
+        it was fetched here ("" before any fetch)."""
         return self._moved_by
 
     def __getattr__(self, name: str) -> Any:

@@ -266,7 +266,7 @@ def view_and_write_with(ref: tw.Ref, transport: str) -> dict[str, Any]:
 def reference_facts(ref: tw.Ref, transport: str) -> dict[str, Any]:
     """What a received reference carries (handles, the owner's offered transports) and what a
     fetch with ``transport`` forced delivered."""
-    state = ref.resolve()
+    state = ref.state
     value = tw.get(ref, transport=transport)
     return {
         "digest": digest(value),

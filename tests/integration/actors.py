@@ -48,6 +48,10 @@ class Producer:
         self.last = torch.full((nbytes,), fill, dtype=torch.uint8)
         return self.last
 
+    @tw.method
+    def fail(self, message: str):
+        raise ValueError(message)
+
     def mutate_last(self, fill: int) -> None:
         self.last.fill_(fill)
 

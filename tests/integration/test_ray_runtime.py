@@ -61,6 +61,29 @@ def test_nested_values_and_refs_nested_in_arguments(producer, consumer):
     assert got == digest({"first": value, "more": [torch.full((1000,), 4, dtype=torch.uint8), 5]})
 
 
+def test_references_as_keyword_arguments_and_mixed_with_values(producer, consumer):
+    first, second = producer.tensor.remote(70_000, fill=2), producer.tensor.remote(1000, fill=3)
+    expected = {"a": torch.full((70_000,), 2, dtype=torch.uint8), "b": [5, torch.full((1000,), 3, dtype=torch.uint8)]}
+    assert ray.get(consumer.digest.remote(value={"a": first, "b": [5, second]})) == digest(expected)
+    assert ray.get(consumer.kinds.remote(first, b=[second])) == ["Tensor", "list"]
+
+
+def test_many_references_in_one_get_and_many_awaits_at_once(producer):
+    """More references than tensorwire's read threads: reads Ray starts run on a pool of their own."""
+    refs = [producer.tensor.remote(100_000, fill=i) for i in range(12)]
+    assert [int(v[0]) for v in tw.get(refs, timeout_s=120)] == list(range(12))
+
+    async def main():
+        return await asyncio.gather(*(tw.get_async(r, timeout_s=120) for r in refs))
+
+    assert [int(v[-1]) for v in asyncio.run(main())] == list(range(12))
+
+
+def test_a_failed_producer_passed_unresolved_raises_its_error_in_the_caller(producer, consumer):
+    with pytest.raises(ValueError, match="the producer failed"):
+        consumer.fetch_error.remote({"ref": tw.passthrough(producer.fail.remote("the producer failed"))})
+
+
 def test_host_arguments_reuse_memory_only_once_the_last_call_let_go_of_it(producer, consumer):
     nbytes = 3 << 20
 

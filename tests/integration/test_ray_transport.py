@@ -213,6 +213,8 @@ def test_tw_get_of_a_registered_transport_reference(producer):
     got = tw.get(ref, out=buffer, timeout_s=60)
     assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer, _expected_tensor(50_000, seed=4))
     assert torch.equal(tw.get(producer.tensor.remote(10, seed=5), device="cpu", timeout_s=60), _expected_tensor(10, 5))
+    again = tw.get(ref, timeout_s=60)  # out= was that read's only: Ray's targets are not left set
+    assert again.data_ptr() != buffer.data_ptr() and torch.equal(again, _expected_tensor(50_000, seed=4))
     assert torch.equal(tw.get(ref, transport="host", timeout_s=60), _expected_tensor(50_000, seed=4))
     assert tw.stats()["recent"][-1].transport == "host"  # not the selector's shm
     assert torch.equal(tw.get(ref, timeout_s=60), _expected_tensor(50_000, seed=4))
