@@ -122,11 +122,14 @@ def test_the_transport_layer_imports_neither_ray_nor_the_layers_above():
 
 FRAME_FUNCTIONS = {
     ("sys", "_getframe"),
+    ("sys", "_current_frames"),
     ("inspect", "currentframe"),
     ("inspect", "stack"),
     ("inspect", "getouterframes"),
+    ("traceback", "extract_stack"),
+    ("traceback", "walk_stack"),
 }
-FRAME_ATTRIBUTES = {"f_back", "f_locals", "f_globals", "tb_frame"}
+FRAME_ATTRIBUTES = {"f_back", "f_code", "f_locals", "f_globals", "tb_frame"}
 
 
 def _frame_walks(source: str) -> list[str]:
