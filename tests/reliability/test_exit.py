@@ -136,9 +136,9 @@ print("still running", flush=True)
 
 
 def test_ray_shutdown_while_a_dropped_call_is_pending_leaves_the_process_running(tmp_path):
-    """A dropped ``@tw.method`` result is settled when its call ends. If Ray is shut down
-    first, the process goes on: Ray ends a process whose thread is inside Ray at shutdown
-    ("the core worker has already been shutdown ... the process will exit")."""
+    """A ``@tw.method`` result dropped while its call runs, then Ray shut down: the process goes
+    on (Ray ends a process whose thread is inside Ray at shutdown, "the core worker has already
+    been shutdown ... the process will exit"; tensorwire's own settlement thread once was)."""
     script = tmp_path / "shutdown_while_pending.py"
     script.write_text(_SHUTDOWN_WHILE_PENDING)
     done = subprocess.run(
