@@ -6,7 +6,8 @@
 * no import circle among the package's modules (imports inside functions count too);
 * every built-in transport lives under ``transport/backends``;
 * nothing walks the caller's stack (issue 35): no ``sys._getframe``, frame attributes or
-  ``inspect.stack``; no private attribute of a Ray object read outside ``runtime/ray_surface.py``'s list.
+  ``inspect.stack``; no private attribute of a Ray object read outside ``runtime/ray_surface.py``'s list,
+  and no other library's private attribute read unlisted.
 """
 
 from __future__ import annotations
@@ -162,20 +163,37 @@ def test_the_stack_check_finds_a_frame_walk():
 RAY_PRIVATE_LISTED = {"_ray_weak_ref", "_ray_system"}
 
 
-def _own_attributes() -> set[str]:
-    """Attribute and method names the package itself defines (``self._ray_class = ...``): not Ray's."""
+# Other libraries' private attributes the package reads, each with whose and why; any other
+# private attribute it reads must be one the package defines itself.
+OTHER_PRIVATE_LISTED = {
+    "_replace": "NamedTuple's documented method",
+    "_fields": "NamedTuple's documented attribute",
+    "_Options": "torch.distributed's ProcessGroup options (gloo / nccl groups)",
+    "_share_cuda_": "torch: a CUDA storage's IPC handle (cuda_ipc backend)",
+    "_new_shared_cuda": "torch: a storage from a CUDA IPC handle (cuda_ipc backend)",
+    "_CFuncPtr": "ctypes' function pointer type (cma backend)",
+}
+
+
+def _own_names() -> set[str]:
+    """Names the package itself defines (attributes it assigns, functions, classes, module
+    names, import aliases): private attributes by these names are its own."""
     own = {"_ray"}  # the prefix itself, in a check of names
     for path in _modules():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
                 own.add(node.attr)
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.alias):
+                own.add(node.asname or node.name.split(".")[-1])
     return own
 
 
 def test_private_ray_attributes_only_as_listed():
-    own = _own_attributes()
+    own = _own_names()
     offenders = []
     for path in _modules():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -187,6 +205,27 @@ def test_private_ray_attributes_only_as_listed():
     assert not offenders, offenders
     surface = (PACKAGE / "runtime" / "ray_surface.py").read_text()
     assert all(name in surface for name in RAY_PRIVATE_LISTED)
+
+
+def test_no_other_private_attribute_is_read_unlisted():
+    """Any ``x._name`` the package reads is its own or listed (a Ray private such as
+    ``handle._actor_id`` fails here even without the ``_ray`` prefix)."""
+    own = _own_names()
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno} {node.attr}"
+        for path in _modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and node.attr not in own
+        and node.attr not in OTHER_PRIVATE_LISTED
+        and node.attr not in RAY_PRIVATE_LISTED
+    ]
+    assert not offenders, offenders
+    probe = ast.parse("def f(handle):\n    return handle._actor_id\n")
+    found = [n.attr for n in ast.walk(probe) if isinstance(n, ast.Attribute) and n.attr not in own]
+    assert found == ["_actor_id"]  # the check sees such a read
 
 
 def test_builtin_transports_live_under_backends():
