@@ -17,6 +17,7 @@ from typing import Any
 
 from tensorwire.runtime import values
 from tensorwire.runtime.api import is_object_ref as _is_object_ref
+from tensorwire.runtime.reading import place_value
 from tensorwire.runtime.ref import Ref
 from tensorwire.transport.waiting import backoff
 
@@ -155,19 +156,6 @@ def _actor_device() -> Any:
     return None
 
 
-def _on_device(value: Any, device: Any) -> Any:
-    """``value`` with its tensors on ``device`` (None: as they are)."""
-    if device is None:
-        return value
-    skeleton, tensors, _kinds = values.flatten(value)
-    if not tensors:
-        return value
-    import torch
-
-    target = torch.device(device)
-    return values.unflatten(skeleton, [t if t.device == target else t.to(target) for t in tensors])
-
-
 def resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict[str, Any], resolve: bool) -> Any:
     """``args``/``kwargs`` as the method takes them: lifted references put back (as Ray
     resolved them), ``tw.Ref``s and boxed references fetched (concurrently), unless
@@ -176,15 +164,14 @@ def resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict[
 
     count = int(call.get("lifted", 0))
     lifted, args = (args[len(args) - count :], args[: len(args) - count]) if count else ((), args)
-    device = call.get("device")
-    default_device = _actor_device() if count else None
+    device = call.get("device") or (_actor_device() if count else None)
     found: list[Any] = []
 
     def leaf(item: Any, _path: str) -> Any:
         if isinstance(item, passthrough):
             return item.ref
         if isinstance(item, _LiftedArgument):
-            return _on_device(lifted[item.index], device)
+            return place_value(lifted[item.index], device, None)
         if isinstance(item, _Unlifted):
             item = item.object_ref
         elif not isinstance(item, Ref):
@@ -200,7 +187,5 @@ def resolve_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], call: dict[
     # Arguments are inputs the method consumes (often copying them into its own parameters):
     # host values come by one copy into pooled memory that the next call's arguments reuse,
     # GPU values as zero-copy views where the transport allows.
-    fetched = get_arguments(
-        found, device=device or default_device or _actor_device(), transport=call.get("transport", "")
-    )
+    fetched = get_arguments(found, device=device or _actor_device(), transport=call.get("transport", ""))
     return values.unflatten(skeleton, fetched)

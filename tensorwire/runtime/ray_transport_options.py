@@ -41,7 +41,7 @@ def note_readers_transport(value: Any, transport: str) -> None:
     from tensorwire.runtime import values
 
     _skeleton, tensors, _kinds = values.flatten(value)
-    keys = [_hint_key(t) for t in tensors if isinstance(t, torch.Tensor)]
+    keys = (_hint_key(t) for t in tensors if isinstance(t, torch.Tensor))
     key = next((k for k in keys if k is not None), None)
     if key is None:
         return

@@ -115,6 +115,9 @@ class Consumer:
     def kept_argument_digest(self) -> str:
         return digest(self.kept_argument)
 
+    def device_types(self, a, b) -> list[str]:
+        return [a.device.type, b["nested"].device.type]
+
     def kinds(self, a, b) -> list[str]:
         return [type(a).__name__, type(b).__name__]
 

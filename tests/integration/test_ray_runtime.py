@@ -158,6 +158,15 @@ def test_a_methods_transport_is_its_readers_default(producer, consumer):
     assert (got, transport) == (expected, "shm")
 
 
+def test_per_call_device_places_lifted_arguments(producer, consumer):
+    """``.options(device=)`` moves what Ray delivered (top level and nested) to that device
+    (``meta`` stands for a device this CPU machine lacks)."""
+    first, second = producer.tensor.remote(10_000), producer.tensor.remote(20_000)
+    assert ray.get(consumer.device_types.remote(first, {"nested": second})) == ["cpu", "cpu"]
+    moved = consumer.device_types.options(device="meta").remote(first, {"nested": second})
+    assert ray.get(moved) == ["meta", "meta"]
+
+
 def test_wait_and_await(producer):
     slow = producer.slow.remote(1.0, 10)
     fast = tw.put(torch.ones(3))
