@@ -3,7 +3,8 @@
 Two spawned processes (producer, consumer) run, batch by batch in turn, the bare NIXL rounds
 of :mod:`tensorwire.bench.bare_nixl` and tensorwire rounds over every usable transport that
 reads host memory across nodes (:func:`compared`: chosen by capabilities, one-sided first;
-here nixl, ucx, gloo and host):
+here nixl, ucx, gloo and host), and the automatic choice (``auto``: no transport named, the
+selector's pick: shm on one node, nixl across):
 
 * **same object**: tensorwire ``tw.get(ref, out=buffer, transport=...)`` of one object again
   and again (the reference in hand); bare: ``initialize_xfer`` + ``transfer`` + poll + release
@@ -47,6 +48,7 @@ MIB = 1 << 20
 SIZES = (4096, MIB, 64 * MIB, 256 * MIB)
 REPEATS = {4096: 100, MIB: 40, 64 * MIB: 6, 256 * MIB: 3}
 _state: dict[str, Any] = {}
+AUTO = "auto"  # the rounds that name no transport
 _M = "tensorwire.bench.nixl_compare"
 
 
@@ -100,13 +102,13 @@ def get_rounds(ref: tw.Ref, tensors: int, transport: str, repeats: int, fill: in
     """Consumer: seconds per ``tw.get(ref, out=..., transport=...)``, and how many rounds
     delivered wrong bytes (the buffer is cleared before each round and checked after it,
     both outside the timing: a round that writes nothing counts)."""
-    out = _out(ref, tensors)
-    tw.get(ref, out=out, transport=transport)  # connection, pages of the buffer
+    out, named = _out(ref, tensors), _named(transport)
+    tw.get(ref, out=out, transport=named)  # connection, pages of the buffer
     times, wrong = [], 0
     for _ in range(repeats):
         _clear(out)
         start = time.perf_counter()
-        tw.get(ref, out=out, transport=transport)
+        tw.get(ref, out=out, transport=named)
         times.append(time.perf_counter() - start)
         wrong += not _right(out, fill)
     return times, wrong
@@ -117,9 +119,14 @@ def get_new(ref: tw.Ref, tensors: int, transport: str, fill: int) -> tuple[float
     bytes were wrong."""
     out = _out(ref, tensors)
     _clear(out)
-    tw.get(ref, out=out, transport=transport)
+    tw.get(ref, out=out, transport=_named(transport))
     end = time.perf_counter()
     return end, not _right(out, fill)
+
+
+def _named(transport: str) -> str:
+    """The ``transport=`` of a round: none for ``auto`` (the selector picks)."""
+    return "" if transport == AUTO else transport
 
 
 def compared(agent: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -228,13 +235,13 @@ def run(  # noqa: PLR0917 - the benchmark's knobs
                 same.setdefault("bare NIXL, handle reused", []).extend(
                     c.bare.same_object(nbytes, repeats, tensors=tensors, reuse=True)
                 )
-                for transport in transports:
+                for transport in (*transports, AUTO):
                     times, bad = c.same(transport, nbytes, tensors, repeats)
                     same.setdefault(f"tensorwire {transport}", []).extend(times)
                     _count(wrong, f"same object, {label}", f"tensorwire {transport}", bad)
                 new_repeats = max(2, repeats // 4)
                 new.setdefault("bare NIXL", []).extend(c.bare.new_object(nbytes, new_repeats, tensors=tensors)["times"])
-                for transport in exporting:
+                for transport in (*exporting, AUTO):
                     times, bad = c.new(transport, nbytes, tensors, new_repeats)
                     new.setdefault(f"tensorwire {transport}", []).extend(times)
                     _count(wrong, f"new object, {label}", f"tensorwire {transport}", bad)

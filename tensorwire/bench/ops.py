@@ -304,10 +304,13 @@ def nixl_stop() -> None:
 # ---------------------------------------------------------------------- memcpy (the bound on one node)
 
 
-def memcpy(nbytes: int, tensors: int, iterations: int, warmups: int, check: bool) -> dict:
-    """Single-thread memcpy of the value into buffers of the same shapes (numpy ``copyto``).
+def memcpy(nbytes: int, tensors: int, iterations: int, warmups: int, check: bool, *, threads: int = 1) -> dict:
+    """memcpy of the value into buffers of the same shapes: numpy ``copyto`` on one thread, or
+    split over ``threads`` (tensorwire's own parallel copy, as shm's reads use that many).
     With ``check``, consecutive iterations copy different data (two seeds, alternating) into
     buffers zeroed before each (outside the timing)."""
+    from tensorwire.transport.packing import parallel_copy
+
     seeds = (0, 1) if check else (0,)
     sources = {}
     for seed in seeds:
@@ -322,7 +325,10 @@ def memcpy(nbytes: int, tensors: int, iterations: int, warmups: int, check: bool
             _zero(targets)
         start = time.perf_counter()
         for target, src in pairs:
-            np.copyto(target, src)
+            if threads > 1:
+                parallel_copy(target.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8), threads)
+            else:
+                np.copyto(target, src)
         if i >= warmups:
             times.append(time.perf_counter() - start)
             value = targets if tensors > 1 else targets[0]

@@ -15,6 +15,7 @@ from tensorwire.bench import ops
 from tensorwire.bench.options import Options
 from tensorwire.bench.schema import Row, make_row
 from tensorwire.progress import ProgressBar
+from tensorwire.transport.packing import COPY_THREADS
 
 __all__ = ["MANY_TENSORS", "process_scenarios"]
 
@@ -177,6 +178,20 @@ def process_scenarios(options: Options, progress: ProgressBar, notes: list[str])
                         reason="single-thread numpy copy in one process: the one-node bound",
                     )
                 )
+                if COPY_THREADS > 1:  # the bound for reads that use that many threads (shm's)
+                    threaded = ops.memcpy(
+                        nbytes, 1, options.iterations, options.warmups, options.check, threads=COPY_THREADS
+                    )
+                    rows.append(
+                        make_row(
+                            "p2p-processes",
+                            f"memcpy ({COPY_THREADS} threads)",
+                            threaded,
+                            baseline=True,
+                            nbytes=nbytes,
+                            reason="numpy copy split over the threads shm's reads use: their bound",
+                        )
+                    )
                 progress.step(f"memcpy {nbytes}")
                 host_ref = tw.put(_value(nbytes, 1, cuda=False))
                 plans = [

@@ -56,16 +56,28 @@ def matched_out(
     return outs, {i: _check_out(buffer, metas[i], i) for i, buffer in outs.items()}
 
 
-def targets(metas: tuple[TensorMeta, ...], device: Any) -> list[torch.device]:
-    """``target_device`` of every tensor, worked out once per distinct placement."""
-    known: dict[tuple[str, str], torch.device] = {}
+_targets: dict[tuple[int, Any], tuple[tuple[TensorMeta, ...], tuple[torch.device, ...]]] = {}
+
+
+def targets(metas: tuple[TensorMeta, ...], device: Any) -> tuple[torch.device, ...]:
+    """``target_device`` of every tensor, worked out once per distinct placement; remembered
+    per (metadata, device) unless a tensor lands on the thread's current GPU (which may change)."""
+    key = (id(metas), device if device is None or isinstance(device, str) else str(device))
+    known = _targets.get(key)
+    if known is not None and known[0] is metas:
+        return known[1]
+    found: dict[tuple[str, str], torch.device] = {}
     result = []
     for meta in metas:
-        key = (meta.device, meta.device_uuid)
-        if key not in known:
-            known[key] = target_device(meta, device)
-        result.append(known[key])
-    return result
+        placement = (meta.device, meta.device_uuid)
+        if placement not in found:
+            found[placement] = target_device(meta, device)
+        result.append(found[placement])
+    if device is not None or all(not m.device.startswith("cuda") for m in metas):
+        if len(_targets) >= 1024:
+            _targets.clear()
+        _targets[key] = (metas, tuple(result))
+    return tuple(result)
 
 
 def place(skeleton: Any, tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], outs: dict[int, Any]) -> Any:

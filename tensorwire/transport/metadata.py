@@ -209,9 +209,9 @@ class StoredObject:
             torch.cuda.current_stream(device).wait_event(event)
 
 
-@dataclass(frozen=True)
-class FetchRequest:
-    """Consumer side: what one fetch needs to know about the object it pulls."""
+class FetchRequest(NamedTuple):
+    """Consumer side: what one fetch needs to know about the object it pulls (a named tuple:
+    one is made per fetch attempt, and a frozen dataclass costs microseconds to make)."""
 
     object_id: bytes
     token: bytes

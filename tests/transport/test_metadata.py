@@ -99,13 +99,11 @@ def test_dtype_and_device_names_are_made_once():
     assert metadata.device("cpu") is metadata.device("cpu") and metadata.device("cuda:3") == torch.device("cuda:3")
 
 
-def test_a_fetch_attempt_carries_every_field_of_its_request():
-    """``fetch._with_handle`` builds the request directly: a field added to ``FetchRequest``
-    later must be carried there too (``dataclasses.replace`` is the reference)."""
-    from dataclasses import replace as dataclass_replace
-
-    from tensorwire.transport.agent.fetch import _with_handle
+def test_a_fetch_request_is_immutable_and_never_shows_its_token():
     from tensorwire.transport.contract import FetchRequest
 
     request = FetchRequest(b"o" * 16, b"t" * 16, OWNER, _metas(2), 128, None, 123.5)
-    assert _with_handle(request, b"handle") == dataclass_replace(request, handle=b"handle")
+    with pytest.raises(AttributeError):
+        request.handle = b"handle"  # type: ignore[misc]
+    assert request._replace(handle=b"h").handle == b"h" and request.handle is None
+    assert "tttt" not in repr(request) and request.object_id.hex() in repr(request)

@@ -71,8 +71,7 @@ class Agent(TransportContext, AgentServices):
         self._config = config or Config.from_env()
         self._lock = threading.RLock()
         self._warned: set[str] = set()
-        self._records: collections.deque[TransferRecord] = collections.deque(maxlen=1000)
-        self._counters: dict[str, list[int]] = {}
+        self._records: collections.deque[TransferRecord] = collections.deque(maxlen=1000)  # appends: no lock
         self._closed = threading.Event()
         self.pid = os.getpid()
 
@@ -381,7 +380,7 @@ class Agent(TransportContext, AgentServices):
         """
         timeout_s = self._config.timeout_s if timeout_s is None else validate_timeout(timeout_s)
         forced = transport or self._config.transport
-        if forced:
+        if forced and forced not in self._transports:
             get_transport_class(forced)  # unknown names: "did you mean"
         self._refresh_if_registry_changed()
         return self._dispatch.fetch(
@@ -389,11 +388,7 @@ class Agent(TransportContext, AgentServices):
         )
 
     def _record(self, record: TransferRecord) -> None:
-        with self._lock:
-            self._records.append(record)
-            counts = self._counters.setdefault(record.transport, [0, 0])
-            counts[0] += 1
-            counts[1] += record.nbytes
+        self._records.append(record)
         metrics.notify(record)
 
     def stats(self) -> dict[str, Any]:
@@ -410,7 +405,9 @@ class Agent(TransportContext, AgentServices):
                 "transfers_serving": self._service.serving_now,
                 "transports_usable": list(self._transports.names()),
                 "transports_unusable": self._transports.unusable(),
-                "transfers": {n: {"count": c, "nbytes": b} for n, (c, b) in self._counters.items()},
+                "transfers": {
+                    n: {"count": int(row[0]), "nbytes": int(row[1])} for n, row in metrics.totals.by_transport().items()
+                },
                 "recent": list(self._records),
                 "host_pool": self.host_pool.stats(),
             }

@@ -43,12 +43,6 @@ __all__ = ["FetchDispatch", "hold_while_alive", "summarize"]
 _MEMO_SIZE = 1024  # selector answers remembered
 
 
-def _with_handle(request: FetchRequest, handle: bytes | None) -> FetchRequest:
-    """``request`` with ``handle`` (built directly: ``dataclasses.replace`` costs microseconds)."""
-    r = request
-    return FetchRequest(r.object_id, r.token, r.owner, r.metas, r.packed_nbytes, handle, r.deadline)
-
-
 def summarize(
     desc: ObjectDescriptor, handles: dict[str, bytes], targets: Sequence[torch.device] | None
 ) -> selector.ObjectSummary:
@@ -99,6 +93,7 @@ class FetchDispatch:
         self._warn_once = warn_once
         self._pool = pool
         self._selections: dict[tuple[Any, ...], selector.Selection] = {}
+        self._routes: dict[tuple[Any, ...], tuple[ObjectDescriptor, selector.Selection, list[str], list[str]]] = {}
 
     def select(self, owner: PeerInfo, summary: selector.ObjectSummary, forced: str) -> selector.Selection:
         """The selector's answer, memoised: it is a pure function of these inputs (and of the
@@ -136,24 +131,12 @@ class FetchDispatch:
         """Consumer: the object's tensors, where they were asked for, and how they came
         (``Agent.fetch`` documents the arguments; ``forced`` is the transport name or "")."""
         deadline = time.monotonic() + timeout_s
-        selection = self.select(desc.owner, summarize(desc, handles, targets), forced)
-        if not selection.choices:
-            hint = " (forced by argument or TENSORWIRE_TRANSPORT)" if forced else ""
-            raise NoTransportError(f"cannot fetch object {desc.object_id.hex()}{hint}: {selection.reason}")
-        request = FetchRequest(desc.object_id, desc.token, desc.owner, desc.metas, desc.packed_nbytes, None, deadline)
-        names = [c.transport for c in selection.choices]
-        # Bytes that travel inside the reference stay readable when the owner no longer has
-        # them (it does not track such objects once they left, even when the reference comes
-        # back to it and the selector ranks "local" first): the last resort, forced or not.
-        carriers = [
-            n
-            for n in handles
-            if n != forced and n in self._transports and self._transports.capabilities[n].carries_value
-        ]
-        names += [n for n in carriers if n not in names]
+        selection, names, carriers = self._route(desc, handles, targets, forced)
         errors: list[str] = []
         for name in names:
-            attempt = _with_handle(request, handles.get(name))
+            attempt = FetchRequest(
+                desc.object_id, desc.token, desc.owner, desc.metas, desc.packed_nbytes, handles.get(name), deadline
+            )
             start = time.perf_counter()
             try:
                 if time.monotonic() >= deadline:
@@ -182,6 +165,38 @@ class FetchDispatch:
             return tensors, record
         raise NoTransportError(f"every transport failed for object {desc.object_id.hex()}: {'; '.join(errors)}")
 
+    def _route(
+        self,
+        desc: ObjectDescriptor,
+        handles: dict[str, bytes],
+        targets: Sequence[torch.device] | None,
+        forced: str,
+    ) -> tuple[selector.Selection, list[str], list[str]]:
+        """The selection, the transports to try in order, and those whose bytes travel in the
+        reference; remembered per descriptor (the same reference fetched again asks again)."""
+        key = (id(desc), tuple(handles), tuple(targets) if targets else (), forced, self._transports.version)
+        known = self._routes.get(key)
+        if known is not None and known[0] is desc:
+            return known[1:]
+        selection = self.select(desc.owner, summarize(desc, handles, targets), forced)
+        if not selection.choices:
+            hint = " (forced by argument or TENSORWIRE_TRANSPORT)" if forced else ""
+            raise NoTransportError(f"cannot fetch object {desc.object_id.hex()}{hint}: {selection.reason}")
+        names = [c.transport for c in selection.choices]
+        # Bytes that travel inside the reference stay readable when the owner no longer has
+        # them (it does not track such objects once they left, even when the reference comes
+        # back to it and the selector ranks "local" first): the last resort, forced or not.
+        carriers = [
+            n
+            for n in handles
+            if n != forced and n in self._transports and self._transports.capabilities[n].carries_value
+        ]
+        names += [n for n in carriers if n not in names]
+        if len(self._routes) >= _MEMO_SIZE:
+            self._routes.clear()
+        self._routes[key] = (desc, selection, names, carriers)
+        return selection, names, carriers
+
     def _attempt(
         self,
         name: str,
@@ -197,7 +212,7 @@ class FetchDispatch:
         instance, owner = self._transports[name], desc.owner
         if request.handle is None and instance.capabilities.needs_export:
             handle, info = self._client.export(request, name)
-            request = _with_handle(request, handle)
+            request = request._replace(handle=handle)
             if info:  # as the owner publishes it now: newer than the reference's if it changed since
                 owner = owner.with_transport_info(name, info)
         if instance.capabilities.peer_setup:

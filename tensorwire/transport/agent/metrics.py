@@ -2,12 +2,14 @@
 
 Every completed fetch produces one :class:`TransferRecord` (transport, the selector's reason,
 bytes, duration, source and destination agents). The agent keeps recent ones for
-``tensorwire.stats()`` and hands each to the registered observers:
+``tensorwire.stats()``, adds each to this process's :data:`totals` and hands it to the
+registered observers:
 
 * Prometheus (when ``prometheus-client`` is installed): counters
   ``tensorwire_transfers_total`` and ``tensorwire_transfer_bytes_total`` and the histogram
   ``tensorwire_transfer_seconds``, labelled by transport, in prometheus-client's default
-  registry (expose it with ``prometheus_client.start_http_server(port)``).
+  registry (expose it with ``prometheus_client.start_http_server(port)``). They are read from
+  :data:`totals` when scraped: a fetch takes no lock and calls no metric for them.
 * Ray (in processes of a Ray cluster, added by the runtime): the same three through
   ``ray.util.metrics``, so they show on the Ray dashboard.
 
@@ -16,19 +18,32 @@ Observers never fail a transfer: their errors are logged and dropped.
 
 from __future__ import annotations
 
+import bisect
 import logging
+import os
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
-__all__ = ["TransferRecord", "add_observer", "enable_prometheus", "notify", "observers", "remove_observer"]
+__all__ = [
+    "BUCKETS",
+    "Totals",
+    "TransferRecord",
+    "add_observer",
+    "enable_prometheus",
+    "notify",
+    "observers",
+    "remove_observer",
+    "totals",
+]
 
 logger = logging.getLogger(__name__)
 
+# upper bounds (seconds) of the duration histogram's buckets; the last bucket is +Inf
+BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-@dataclass(frozen=True)
-class TransferRecord:
+
+class TransferRecord(NamedTuple):
     """One completed fetch, as :func:`tensorwire.stats` reports it."""
 
     transport: str
@@ -42,33 +57,79 @@ class TransferRecord:
     placed_s: float = 0.0  # after the transfer: copying into the caller's buffers, moving to devices
 
 
+class Totals:
+    """Per transport: fetches, bytes, the sum of durations and the duration histogram, kept per
+    thread (a fetch updates its own thread's numbers without a lock) and summed when read."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._tables: list[dict[str, list[float]]] = []  # every thread's, dead threads' included
+        self._lock = threading.Lock()  # only for a thread's first record
+
+    def add(self, record: TransferRecord) -> None:
+        table = getattr(self._local, "table", None)
+        if table is None:
+            table = self._local.table = {}
+            with self._lock:
+                self._tables.append(table)
+        row = table.get(record.transport)
+        if row is None:
+            row = table[record.transport] = [0.0] * (3 + len(BUCKETS) + 1)
+        row[0] += 1
+        row[1] += record.nbytes
+        row[2] += record.duration_s
+        row[3 + bisect.bisect_left(BUCKETS, record.duration_s)] += 1
+
+    def by_transport(self) -> dict[str, list[float]]:
+        """transport -> [count, bytes, seconds, count per bucket (the last: above the top bound)]."""
+        with self._lock:
+            tables = list(self._tables)
+        summed: dict[str, list[float]] = {}
+        for table in tables:
+            for name, row in list(table.items()):
+                into = summed.setdefault(name, [0.0] * len(row))
+                for i, value in enumerate(row):
+                    into[i] += value
+        return summed
+
+    def reset(self) -> None:
+        """Forget everything (a forked child starts from zero)."""
+        self._local = threading.local()
+        self._tables = []
+        self._lock = threading.Lock()
+
+
+totals = Totals()
+os.register_at_fork(after_in_child=totals.reset)
+
 Observer = Callable[[TransferRecord], None]
-_observers: list[Observer] = []
+_observers: tuple[Observer, ...] = ()  # replaced whole on a change: a fetch reads it without a lock
 _lock = threading.Lock()
-_prometheus: Observer | None = None
+_prometheus = False
 
 
 def add_observer(observer: Observer) -> None:
     """Call ``observer(record)`` after every completed fetch in this process (idempotent)."""
+    global _observers
     with _lock:
         if observer not in _observers:
-            _observers.append(observer)
+            _observers = (*_observers, observer)
 
 
 def remove_observer(observer: Observer) -> None:
+    global _observers
     with _lock:
-        if observer in _observers:
-            _observers.remove(observer)
+        _observers = tuple(o for o in _observers if o is not observer)
 
 
 def observers() -> list[Observer]:
-    with _lock:
-        return list(_observers)
+    return list(_observers)
 
 
 def notify(record: TransferRecord) -> None:
-    """Agent, after a fetch: pass ``record`` to every observer; never raises."""
-    for observer in observers():
+    """Agent, after a fetch: add ``record`` to :data:`totals`, pass it to every observer; never raises."""
+    totals.add(record)
+    for observer in _observers:
         try:
             observer(record)
         except Exception:
@@ -76,36 +137,42 @@ def notify(record: TransferRecord) -> None:
 
 
 def enable_prometheus() -> bool:
-    """Export transfers to prometheus-client's default registry; False if it is not installed."""
+    """Export :data:`totals` to prometheus-client's default registry; False if it is not installed."""
     global _prometheus
     with _lock:
-        if _prometheus is not None:
+        if _prometheus:
             return True
         try:
             import prometheus_client
         except ImportError:
             return False
-        transfers = prometheus_client.Counter(
-            "tensorwire_transfers_total", "Completed tensorwire fetches", ["transport"]
-        )
-        nbytes = prometheus_client.Counter(
-            "tensorwire_transfer_bytes_total", "Bytes moved by tensorwire fetches", ["transport"]
-        )
-        seconds = prometheus_client.Histogram(
-            "tensorwire_transfer_seconds", "Duration of tensorwire fetches", ["transport"]
-        )
-
-        children: dict[str, tuple[Any, Any, Any]] = {}  # labelled metrics, made once per transport
-
-        def observe(record: TransferRecord) -> None:
-            labelled = children.get(record.transport)
-            if labelled is None:
-                name = record.transport
-                labelled = children[name] = (transfers.labels(name), nbytes.labels(name), seconds.labels(name))
-            labelled[0].inc()
-            labelled[1].inc(record.nbytes)
-            labelled[2].observe(record.duration_s)
-
-        _prometheus = observe
-        _observers.append(observe)
+        prometheus_client.REGISTRY.register(_Collector())
+        _prometheus = True
         return True
+
+
+class _Collector:
+    """prometheus-client's view of :data:`totals`, made when scraped."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        transfers = CounterMetricFamily("tensorwire_transfers", "Completed tensorwire fetches", labels=["transport"])
+        nbytes = CounterMetricFamily(
+            "tensorwire_transfer_bytes", "Bytes moved by tensorwire fetches", labels=["transport"]
+        )
+        seconds = HistogramMetricFamily(
+            "tensorwire_transfer_seconds", "Duration of tensorwire fetches", labels=["transport"]
+        )
+        for name, row in sorted(totals.by_transport().items()):
+            transfers.add_metric([name], row[0])
+            nbytes.add_metric([name], row[1])
+            cumulative, buckets = 0.0, []
+            for bound, count in zip([*map(str, BUCKETS), "+Inf"], row[3:], strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            seconds.add_metric([name], buckets, row[2])
+        yield from (transfers, nbytes, seconds)
+
+    def describe(self) -> list[Any]:
+        return []  # no samples at registration (nothing is collected then)

@@ -272,6 +272,8 @@ def test_thousand_new_objects_keep_caches_bounded_and_memory_flat():
                 rss[i] = (producer.call(f"{T}:rss_bytes"), consumer.call(f"{T}:rss_bytes"))
         assert len(set(consumer.call(f"{T}:read_into_out", [ref] * 300))) == 1  # one buffer, 300 reads
         producer.call(f"{T}:free_kept")
+        # freed objects keep their memory for the grace (20 ms) before it and its registration go
+        assert wait_until(lambda: producer.call(f"{T}:stats")["lingering"] == 0, timeout_s=30)
         ps, cs = producer.call(f"{T}:stats"), consumer.call(f"{T}:stats")
     finally:
         producer.close()

@@ -254,13 +254,40 @@ def test_read_into_checks_the_live_word_and_splits_over_threads():
 
 
 @needs_direct
+def test_an_object_of_few_tensors_is_read_with_its_live_word_in_one_call(monkeypatch):
+    """Data then the live word, last in the same process_vm_readv (the kernel copies in order)."""
+    import ctypes
+
+    words = cma.LiveWords()
+    slot, address, nonce = words.take()
+    tensors = [torch.full((n,), i + 1, dtype=torch.uint8) for i, n in enumerate((4096, 10, 1 << 20))]
+    info = cma.DirectRead(address, nonce, [(t.data_ptr(), t.numel()) for t in tensors])
+    outs = [torch.zeros_like(t) for t in tensors]
+    calls = []
+    real = cma._readv()
+
+    def counted(pid, local, count, remote, count2, flags):
+        last = ctypes.cast(remote, ctypes.POINTER(ctypes.c_uint64 * (2 * count2))).contents
+        calls.append((count, last[-2], last[-1]))
+        return real(pid, local, count, remote, count2, flags)
+
+    monkeypatch.setattr(cma, "_readv", lambda: counted)
+    assert cma.read_into(os.getpid(), info, [(o.data_ptr(), o.numel()) for o in outs])
+    assert all(torch.equal(o, t) for o, t in zip(outs, tensors, strict=True))
+    assert calls == [(4, address, 8)]  # one call: three tensors, then the live word
+    words.clear(slot)
+    assert not cma.read_into(os.getpid(), info, [(o.data_ptr(), o.numel()) for o in outs])
+
+
+@needs_direct
 def test_a_refused_direct_read_falls_back_to_the_segment(agent, worker, monkeypatch):
     ref = worker.call("tests.helpers.tasks:put_filled", 1 << 20, 9)
 
-    def refused(pid, pieces):
+    def refused(pid, pieces, *_):
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(cma, "_read_pieces", refused)
+    monkeypatch.setattr(cma, "_read_with_word", refused)  # an object of a few tensors: data and live word in one call
     monkeypatch.setattr(cma, "_checked", True)
     monkeypatch.setattr(cma, "_reason", None)
     got = tw.get(ref, transport="shm")

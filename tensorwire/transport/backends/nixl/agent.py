@@ -1,6 +1,7 @@
 """This process's one NIXL agent (made on first use): its registrations of local memory, cached
-per storage and dropped once their memory is freed; the liveness slots of exported objects; the
-remote agents and partial metadata it loaded; READs kept until NIXL says they ended."""
+per storage and dropped once their memory is freed; the liveness slots of exported objects and
+the memory of freed ones, kept for a grace period; the remote agents and partial metadata it
+loaded; READs kept until NIXL says they ended."""
 
 from __future__ import annotations
 
@@ -12,24 +13,30 @@ import os
 import secrets
 import socket
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tensorwire.errors import TransportError, TransportUnavailableError
 from tensorwire.transport.backends.nixl.engine import BACKENDS_ENV, new_agent
+from tensorwire.transport.backends.nixl.plans import Plans
+from tensorwire.transport.backends.nixl.slab import Slab
 
 if TYPE_CHECKING:
     from tensorwire.transport.backends.nixl.handles import Handle
 
 __all__ = [
     "CACHE_ENV",
+    "GRACE_S",
+    "LINGER_NBYTES",
     "SLOTS",
     "NixlAgent",
     "Registration",
     "agent_name",
     "existing_agent",
+    "grace_us",
     "process_agent",
     "region",
     "stats",
@@ -39,6 +46,17 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "TENSORWIRE_NIXL_CACHE"
 SLOTS = 4096  # liveness slots per process (objects exported and live at once)
+# A freed object of at most LINGER_NBYTES keeps its memory (its tensors, their registrations) this
+# long after its tag is cleared, so a consumer's READ of data and tag together that saw the tag and
+# ended within half of it read memory nothing had reused; a longer READ (and any READ of a larger
+# object, whose memory goes at once) reads the tag again after the data.
+GRACE_S = 0.02
+LINGER_NBYTES = 4 << 20
+
+
+def grace_us(nbytes: int) -> int:
+    """The grace (microseconds) a freed object of ``nbytes`` keeps its memory for: 0 if it does not linger."""
+    return round(GRACE_S * 1e6) if nbytes <= LINGER_NBYTES else 0
 
 
 def region(tensor: Any) -> tuple[int, int, bool, int]:
@@ -69,14 +87,29 @@ class NixlAgent:
                 f"plug-ins available: {self.nixl.get_plugin_list()}"
             )
         self.name, self.lock, self.stopped, self.ids = name, threading.RLock(), threading.Event(), itertools.count(1)
+        self.wake = threading.Event()  # the sweep's: something lingers
         self.capacity = max(16, int(os.environ.get(CACHE_ENV, "512")))
         self.regs: OrderedDict[tuple[int, int, bool, int], Registration] = OrderedDict()
         self.idle: dict[tuple, Registration] = {}  # users dropped to 0: checked for freed memory by _sweep
         self.partials: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
         self.remote: dict[str, set[int]] = {}  # remote agent name -> registration ids loaded
-        self.stuck: list[tuple[str, list, list, list, int]] = []  # kept READs: (owner, READs, memory, regs, slot)
+        # READs kept until they end: (owner, READs, memory, regs, what gives their tag word back, prepared lists)
+        self.stuck: list[tuple[str, list, list, list, Callable[[], None], list]] = []
+        self.lingering: deque[tuple[float, tuple, Callable[[], None]]] = deque()  # freed: (until, memory, then)
         self.stats = dict.fromkeys(
-            ("registered", "deregistered", "hits", "metadata_loads", "partial_loads", "leaked_handles"), 0
+            (
+                "registered",
+                "deregistered",
+                "hits",
+                "metadata_loads",
+                "partial_loads",
+                "leaked_handles",
+                "plans_made",  # consumer: (object, destination) pairs whose READs were prepared
+                "tags_after",  # consumer: fetches that read the tag again after the data
+                "packed_exports",  # producer: small host objects copied into a slab slot with their tag
+                "packed_fetches",  # consumer: such objects read in one descriptor into a landing slot
+            ),
+            0,
         )
         self.conn_md = self.nixl.get_agent_metadata()
         # producer: the tags of live objects; consumer: where tags are read into
@@ -84,8 +117,11 @@ class NixlAgent:
         self.table_reg, self.flags_reg = self.acquire([self.table, self.flags])
         self.table_np, self.flags_np = self.table.numpy(), self.flags.numpy()  # cheaper to index
         self.free_table, self.free_flags = list(range(SLOTS)), list(range(SLOTS))
+        self.plans = Plans(self)  # consumer: READs made once per (object, destination), posted again
+        self.objects = Slab(self._registered)  # producer: small host objects with their tags
+        self.landing = Slab(self._registered)  # consumer: where they land
         (sweeper := threading.Thread(target=self._sweep, name="tw-nixl-sweep", daemon=True)).start()
-        atexit.register(lambda: (self.stopped.set(), sweeper.join(timeout=2)))  # before NIXL goes at exit
+        atexit.register(lambda: (self.stopped.set(), self.wake.set(), sweeper.join(timeout=2)))  # before NIXL goes
 
     def acquire(self, tensors: Sequence[Any]) -> list[Registration]:
         """The registrations covering ``tensors``, each used once more (missing ones: one call per kind)."""
@@ -130,10 +166,30 @@ class NixlAgent:
                 reg.users -= 1
             self.idle.update((r.key, r) for r in regs if r.users == 0)
 
+    def _registered(self, buffer: Any) -> Registration:
+        """``buffer`` registered for the process's life (a slab's block)."""
+        return self.acquire([buffer])[0]
+
+    def linger(self, memory: Sequence[Any], then: Callable[[], None], grace_s: float) -> None:
+        """Producer: keep a freed object's ``memory`` for ``grace_s``, then call ``then`` (the sweep does)."""
+        with self.lock:
+            self.lingering.append((time.monotonic() + grace_s, tuple(memory), then))
+        self.wake.set()
+
     def _sweep(self) -> None:
-        """Thread ``tw-nixl-sweep``, every 0.2 s until exit: settle kept READs, deregister idle freed memory."""
-        while not self.stopped.wait(0.2):
+        """Thread ``tw-nixl-sweep``, every 0.2 s until exit (and when a lingering object's grace
+        ends): let go of freed objects past their grace, settle kept READs, deregister idle freed memory."""
+        while not self.stopped.is_set():
+            first = self.lingering[0][0] if self.lingering else None
+            self.wake.wait(0.2 if first is None else min(0.2, max(0.0, first - time.monotonic())))
+            self.wake.clear()
+            if self.stopped.is_set():
+                return
             with self.lock:
+                now = time.monotonic()
+                while self.lingering and self.lingering[0][0] <= now:
+                    self.lingering.popleft()[2]()
+                self.plans.sweep()
                 self.settle()
                 for key, reg in list(self.idle.items()):
                     if reg.users or self.regs.get(key) is not reg:
@@ -200,9 +256,17 @@ class NixlAgent:
 
     def forget_remote(self, name: str) -> None:
         with self.lock:  # kept READs from it still run (after a disconnect NIXL says ERR, yet they land)
+            self.plans.forget(name)
             if not any(e[0] == name for e in self.stuck) and self.remote.pop(name, None) is not None:
                 with contextlib.suppress(Exception):  # the peer is gone either way
                     self.nixl.remove_remote_agent(name)
+
+    def keep_running(self, entry: tuple[str, list, list, list, Callable[[], None], list]) -> None:
+        """READs that did not end (owner, READs, the memory they write, registrations, what gives
+        their tag word back, prepared lists): all kept until NIXL says they ended (:meth:`settle`)."""
+        logger.warning("nixl: %d READs from %s unfinished; their memory is kept", len(entry[1]), entry[0])
+        with self.lock:
+            self.stuck.append(entry)
 
     def settle(self) -> None:
         """Release kept READs that ended: one past its deadline can still land (seen: SIGSEGV)."""
@@ -210,8 +274,9 @@ class NixlAgent:
             for entry in [e for e in self.stuck if not any(self.running(x) for x in e[1])]:
                 self.stuck.remove(entry)
                 self.release(entry[1])
+                self.release_lists(entry[5])
                 self.unuse(entry[3])
-                self.free_flags.append(entry[4])
+                entry[4]()
 
     def release(self, xfers: list) -> None:
         """Release ended transfers' handles (``xfers`` is emptied)."""
@@ -221,6 +286,15 @@ class NixlAgent:
             except Exception as e:  # noqa: BLE001 - it ended: only its handle's memory is lost
                 self.stats["leaked_handles"] += 1
                 logger.warning("nixl: a transfer handle could not be released (%s)", e)
+
+    def release_lists(self, dlists: list) -> None:
+        """Release prepared descriptor lists (after the READs made from them; ``dlists`` is emptied)."""
+        while dlists:
+            try:
+                self.nixl.release_dlist_handle(dlists.pop())
+            except Exception as e:  # noqa: BLE001 - only the list's memory is lost
+                self.stats["leaked_handles"] += 1
+                logger.warning("nixl: a prepared descriptor list could not be released (%s)", e)
 
     def running(self, xfer: Any) -> bool:
         try:
@@ -269,5 +343,7 @@ def stats() -> dict[str, int]:
             "remote_agents": len(agent.remote),
             "idle": len(agent.idle),
             "live_slots": SLOTS - len(agent.free_table),
+            "lingering": len(agent.lingering),
+            "plans": agent.plans.count(),
             "stuck_reads": len(agent.stuck),
         }

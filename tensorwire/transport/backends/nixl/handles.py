@@ -2,8 +2,10 @@
 
 A handle names the owner's NIXL agent, carries the partial metadata of registrations a
 consumer may not have loaded, one row per tensor (address, length, device, memory kind) and
-the object's liveness slot and tag. It ends in an HMAC keyed by the object's capability
-token: without the token the handle does not open.
+the object's liveness slot and tag, and how long the producer keeps an object's memory after
+freeing it (its *grace*: a READ that saw the tag and ends within it read intact memory). It
+ends in an HMAC keyed by the object's capability token: without the token the handle does not
+open.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from tensorwire.errors import TransportError
 
 __all__ = ["ROW", "Handle", "opened"]
 
-_VERSION = 2
-_HEADER = struct.Struct("!BHIIIQQ")  # version, name, partial count, regs, rows, flag address, tag
+_VERSION = 3
+_HEADER = struct.Struct("!BHIIIQQIB")  # version, name, partial count, regs, rows, flag address, tag, grace us, packed
 ROW = np.dtype([("addr", ">u8"), ("len", ">u8"), ("dev", ">u4"), ("vram", "u1")])
 _MAC = 16  # bytes of HMAC-SHA256 (key: the object's token) that end a handle
 
@@ -29,7 +31,7 @@ _MAC = 16  # bytes of HMAC-SHA256 (key: the object's token) that end a handle
 @dataclass(frozen=True)
 class Handle:
     """What a reference carries for nixl: the owner's agent, partial metadata of new
-    registrations, the rows of the tensors, the liveness slot and its tag."""
+    registrations, the rows of the tensors, the liveness slot and its tag, the producer's grace."""
 
     name: str
     partials: tuple[bytes, ...]
@@ -37,10 +39,20 @@ class Handle:
     rows: Any  # producer: a ROW array; decoded: (address, length, device, vram) tuples
     flag_addr: int
     tag: int
+    grace_us: int  # freed memory is kept this long: a READ of data and tag ending within half of it is whole
+    packed: bool = False  # the rows and then the tag lie in one slot (read as one descriptor): :mod:`.slab`
 
     def encode(self) -> bytes:
         head = _HEADER.pack(
-            _VERSION, len(self.name), len(self.partials), len(self.rids), len(self.rows), self.flag_addr, self.tag
+            _VERSION,
+            len(self.name),
+            len(self.partials),
+            len(self.rids),
+            len(self.rows),
+            self.flag_addr,
+            self.tag,
+            self.grace_us,
+            self.packed,
         )
         parts = [head, self.name.encode()]
         parts += [struct.pack("!I", len(b)) + b for b in self.partials]
@@ -59,7 +71,7 @@ def opened(signed: bytes, token: bytes) -> Handle | None:
     if not hmac.compare_digest(hmac.digest(token, data, "sha256")[:_MAC], mac):
         return None
     try:
-        version, n_name, n_partial, n_rids, n_rows, flag, tag = _HEADER.unpack_from(data, 0)
+        version, n_name, n_partial, n_rids, n_rows, flag, tag, grace, packed = _HEADER.unpack_from(data, 0)
         if version != _VERSION:
             raise TransportError(f"nixl: handle version {version} (expected {_VERSION})")
         pos = _HEADER.size + n_name
@@ -75,4 +87,4 @@ def opened(signed: bytes, token: bytes) -> Handle | None:
             raise TransportError("nixl: trailing bytes in handle")
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise TransportError(f"nixl: malformed handle ({e})") from None
-    return Handle(name, tuple(partials), rids, array.tolist(), flag, tag)
+    return Handle(name, tuple(partials), rids, array.tolist(), flag, tag, grace, bool(packed))

@@ -5,8 +5,9 @@ Host memory is verified here, CUDA memory is not.
 The producer registers each storage once (cached, :mod:`.agent`) and hands out a signed handle
 (:mod:`.handles`): partial metadata, a row per tensor, a liveness slot. Its agent's metadata is
 its connection info (the contract's connection step: loaded once per peer). A consumer loads
-partial metadata only when new, READs the tensors, then the slot's tag: no control call, every
-wait bounded. docs/architecture.md ("nixl details") says why each step is as it is.
+partial metadata only when new, READs the tensors and the slot's tag in one trip (the producer
+keeps freed memory for a grace period; a trip longer than half of it reads the tag again): no
+control call, every wait bounded. docs/architecture.md ("nixl details") says why each step is as it is.
 """
 
 from __future__ import annotations
@@ -29,12 +30,20 @@ from tensorwire.errors import (
     TransportUnavailableError,
 )
 from tensorwire.transport.backends.nixl import doctor
-from tensorwire.transport.backends.nixl.agent import SLOTS, NixlAgent, agent_name, existing_agent, process_agent
+from tensorwire.transport.backends.nixl.agent import (
+    SLOTS,
+    NixlAgent,
+    agent_name,
+    existing_agent,
+    grace_us,
+    process_agent,
+)
 from tensorwire.transport.backends.nixl.engine import API_MODULES
 from tensorwire.transport.backends.nixl.handles import ROW, Handle, opened
+from tensorwire.transport.backends.nixl.plans import Plan, rows_for
+from tensorwire.transport.backends.nixl.slab import fits, span
 from tensorwire.transport.contract import Capabilities, Diagnosis, FetchRequest, PeerInfo, StoredObject, Transport
 from tensorwire.transport.costs import CostEstimate, CostModel, MemoryKind, Placement
-from tensorwire.transport.waiting import wait_until
 
 __all__ = ["NixlTransport"]
 
@@ -42,14 +51,7 @@ logger = logging.getLogger(__name__)
 
 _ALIVE_EVERY_S = 0.2  # seconds between checks of the owner's pid while a READ runs
 _STATUS_EVERY_S = 2.0  # ... and of its status, when it runs on another machine
-
-
-def _pace(polls: int, elapsed_s: float) -> float | None:
-    """Between polls of a READ: spin first (a small READ ends in microseconds), then yield,
-    then sleep 0.1 ms."""
-    if polls < 200:
-        return None
-    return 0.0 if elapsed_s < 0.002 else 0.0001
+_SPIN = 200  # polls of a READ without a pause (a small one ends in microseconds); then yield, later sleep 0.1 ms
 
 
 class NixlTransport(Transport):
@@ -122,6 +124,10 @@ class NixlTransport(Transport):
         if not self._published:  # references leaving from now on carry the agent's metadata (twice: harmless)
             self.context.publish_transport_info(self.name, self.connection_info())
             self._published = True
+        if all(t.device.type == "cpu" for t in tensors) and fits(obj.nbytes):
+            slot = agent.objects.take()
+            if slot is not None:  # a small host object: copied with its tag into one slot, read in one descriptor
+                return self._export_packed(agent, obj, slot)
         slot = agent.take(agent.free_table)
         if slot is None:
             logger.info("nixl: %d objects exported and live: this one goes through another transport", SLOTS)
@@ -136,22 +142,67 @@ class NixlTransport(Transport):
             agent.free_table.append(slot)
             agent.unuse(regs)
             raise TransportError(f"nixl: registering {obj.nbytes} bytes failed: {e}") from e
-        agent.table_np[slot], obj.transport_state[self.name] = (tag := secrets.randbits(63) | 1), (regs, slot)
+        agent.table_np[slot] = tag = secrets.randbits(63) | 1
         rows = np.array([(t.data_ptr(), t.nbytes, t.device.index or 0, t.device.type == "cuda") for t in tensors], ROW)
         rids, flag_addr = (*(r.rid for r in regs), agent.table_reg.rid), agent.table.data_ptr() + 8 * slot
-        return Handle(agent.name, tuple(partials), rids, rows, flag_addr, tag).signed(obj.token)
+        grace = grace_us(obj.nbytes)  # how long its memory is kept after a free
+        obj.transport_state[self.name] = (regs, slot, grace)
+        return Handle(agent.name, tuple(partials), rids, rows, flag_addr, tag, grace).signed(obj.token)
+
+    def _export_packed(self, agent: NixlAgent, obj: StoredObject, slot: int) -> bytes:
+        """Producer: the object's bytes as they are now, then its tag, in ``slot`` of the agent's slab."""
+        slab = agent.objects
+        try:
+            partials = agent.partial_metadata([slab.registration])
+        except Exception as e:
+            slab.give(slot)
+            raise TransportError(f"nixl: the metadata of the small-object slab failed: {e}") from e
+        rows = np.array([(address, n, 0, False) for address, n in slab.fill(slot, obj.tensors)], ROW)
+        flag_addr = slab.address(slot) + span(obj.nbytes) - 8
+        (word := slab.word(flag_addr))[0] = tag = secrets.randbits(63) | 1
+        grace = grace_us(obj.nbytes)
+        obj.transport_state[self.name] = ("packed", slot, grace, word)
+        agent.stats["packed_exports"] += 1
+        handle = Handle(agent.name, tuple(partials), (slab.registration.rid,), rows, flag_addr, tag, grace, packed=True)
+        return handle.signed(obj.token)
 
     def release(self, obj: StoredObject) -> None:
         state, agent = obj.transport_state.pop(self.name, None), existing_agent()
         if not isinstance(state, tuple) or agent is None:
             return
-        regs, slot = state
-        agent.table_np[slot] = 0  # before the memory may go: a READ after this sees "freed"
+        if state[0] == "packed":
+            _, slot, grace, word = state
+            word[0] = 0  # a READ of the tag from now on sees "freed"
+            agent.linger((), lambda: agent.objects.give(slot), grace / 1e6)  # the slot reused after the grace
+            return
+        regs, slot, grace = state
+        agent.table_np[slot] = 0  # a READ of the tag from now on sees "freed"
         agent.free_table.append(slot)
-        agent.unuse(regs)
+        # a READ that saw the tag before reads intact memory: kept for the grace it promised
+        agent.linger(obj.tensors if grace else (), lambda: agent.unuse(regs), grace / 1e6)
 
     def fetch(self, request: FetchRequest, dst: Sequence[Any]) -> None:
-        """Consumer: one READ of every tensor, then one of the liveness slot, polled to completion."""
+        """Consumer: one READ of every tensor and of the liveness slot, polled to completion; the
+        slot once more after the data if that took longer than half the producer's grace."""
+        agent = process_agent()
+        key = (request.handle, request.token, *(t.data_ptr() for t in dst))
+        plan = agent.plans.take(key)  # this object into these buffers before: its READs prepared
+        if plan is None:
+            plan = self._plan(agent, request, dst, key)
+        try:
+            self._run(agent, plan, request, dst)
+        except Exception as e:  # a READ still running could overwrite a fallback's bytes: no fallback then
+            final = isinstance(e, (TransferTimeoutError, OwnerDiedError))  # an exited owner sends nothing more
+            running = any(agent.running(x) for x in plan.posted)
+            agent.plans.failed(plan, list(dst) if running else None)
+            if running and not final:
+                raise TransferTimeoutError(f"nixl: a READ was still running when the fetch failed: {e}") from e
+            raise
+        agent.plans.done(plan)
+
+    def _plan(self, agent: NixlAgent, request: FetchRequest, dst: Sequence[Any], key: tuple) -> Plan:
+        """The READs of a fetch with no kept plan: the handle opened and checked, its metadata
+        loaded, the destinations registered, a flag slot taken."""
         open_handle = opened if len(request.handle or b"") <= 1 << 16 else opened.__wrapped__  # memo: small ones
         if (handle := open_handle(request.handle or b"", request.token)) is None:
             raise PermissionDeniedError(f"nixl: the token does not open object {request.object_id.hex()}")
@@ -159,87 +210,118 @@ class NixlTransport(Transport):
             raise TransportError(f"nixl: handle names agent {handle.name}, not the one its owner published")
         if len(handle.rows) != len(dst):
             raise TransportError(f"nixl: handle has {len(handle.rows)} tensors, the request {len(dst)}")
-        agent = process_agent()
         try:
             agent.load_remote(handle)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own classes
             self._failed(request, f"loading agent {handle.name}'s metadata ({e})")
-        targets = [(t, row) for t, row in zip(dst, handle.rows, strict=True) if row[1]]
-        groups: dict[tuple[bool, bool], tuple[list, list]] = {}  # (memory kinds) -> (local, remote) rows
-        for t, row in targets:
-            if t.numel() * t.element_size() != row[1] or not t.is_contiguous():
-                raise TransportError("nixl: a destination buffer does not match the handle")
-            vram = t.device.type == "cuda"
-            local, remote = groups.setdefault((vram, bool(row[3])), ([], []))
-            local.append((t.data_ptr(), row[1], (t.device.index or 0) if vram else 0))
-            remote.append(row[:3])
-        regs = agent.acquire([t for t, _ in targets])
+        plan = self._packed_plan(agent, handle, dst) if handle.packed else None
+        if plan is None:
+            plan = self._unpacked_plan(agent, handle, dst)
+        try:
+            return agent.plans.make(key, plan)
+        except Exception as e:
+            self._failed(request, f"preparing the READ ({type(e).__name__}: {e})")
+            raise
+
+    def _unpacked_plan(self, agent: NixlAgent, handle: Handle, dst: Sequence[Any]) -> Plan:
+        """READs of the tensors where they are into ``dst`` (registered), the tag into a flag slot."""
+        groups = rows_for(dst, handle.rows)
+        regs = agent.acquire([t for t, row in zip(dst, handle.rows, strict=True) if row[1]])
         slot = agent.take(agent.free_flags)
         if slot is None:
             agent.unuse(regs)
             raise TransportUnavailableError(f"nixl: {SLOTS} fetches in flight in this process")
-        unfinished: list = []  # READs posted and not seen DONE
-        try:
-            agent.flags_np[slot] = 0
-            flag = ([(agent.flags.data_ptr() + 8 * slot, 8, 0)], [(handle.flag_addr, 8, 0)])
-            self._post(agent, handle, list(groups.items()), request, unfinished)
-            self._post(agent, handle, [((False, False), flag)], request, unfinished)  # the tag after the data
-            if int(agent.flags_np[slot]) != handle.tag:
-                self.context.check_owner(request)  # raises ObjectFreedError / OwnerDiedError
-                raise TransportError(f"nixl: object {request.object_id.hex()} was freed by its owner")
-        except Exception as e:  # a READ still running could overwrite a fallback's bytes: no fallback then
-            final = isinstance(e, (TransferTimeoutError, OwnerDiedError))  # an exited owner sends nothing more
-            if not final and not any(agent.running(x) for x in unfinished):
-                agent.release(unfinished)  # none runs (ended, failed): nothing of theirs can land now
-            elif not final:
-                raise TransferTimeoutError(f"nixl: a READ was still running when the fetch failed: {e}") from e
-            raise
-        finally:
-            if unfinished:  # kept, with the memory they read into, until NIXL says they ended (settle)
-                logger.warning("nixl: %d READs from %s unfinished; their memory is kept", len(unfinished), handle.name)
-                agent.stuck.append((handle.name, unfinished, [t for t, _ in targets], regs, slot))
-            else:
-                agent.unuse(regs)
-                agent.free_flags.append(slot)
+        tag = ((agent.flags.data_ptr() + 8 * slot, 8, 0), (handle.flag_addr, 8, 0))
+        if handle.grace_us:  # the tag read with the data (the host group's last row)
+            groups[-1][1][0].append(tag[0])
+            groups[-1][1][1].append(tag[1])
+        groups = [g for g in groups if g[1][0]]
+        word, give_back = agent.flags_np[slot : slot + 1], lambda: agent.free_flags.append(slot)
+        return Plan(handle.name, handle.tag, handle.grace_us / 1e6, word, give_back, regs, groups, tag)
 
-    def _post(self, agent: NixlAgent, handle: Handle, groups: list, request: FetchRequest, xfers: list) -> None:
-        """READ each group and wait for all: handles released when DONE, else left in ``xfers``."""
+    def _packed_plan(self, agent: NixlAgent, handle: Handle, dst: Sequence[Any]) -> Plan | None:
+        """One READ of a packed object's slot (its bytes, then its tag) into a slot of this
+        process's landing slab; None where ``dst`` is not host memory or no slot is free."""
+        nbytes = sum(row[1] for row in handle.rows)
+        if handle.flag_addr != handle.rows[0][0] + span(nbytes) - 8:
+            raise TransportError("nixl: a packed handle whose tag does not follow its bytes")
+        for t, row in zip(dst, handle.rows, strict=True):
+            if t.numel() * t.element_size() != row[1] or not t.is_contiguous():
+                raise TransportError("nixl: a destination buffer does not match the handle")
+        if any(t.device.type != "cpu" for t in dst) or (slot := agent.landing.take()) is None:
+            return None
+        local = agent.landing.address(slot)
+        tag = ((local + span(nbytes) - 8, 8, 0), (handle.flag_addr, 8, 0))
+        groups = [((False, False), ([(local, span(nbytes), 0)], [(handle.rows[0][0], span(nbytes), 0)]))]
+        word, give_back = agent.landing.word(tag[0][0]), lambda: agent.landing.give(slot)
+        return Plan(handle.name, handle.tag, handle.grace_us / 1e6, word, give_back, [], groups, tag, landing=slot)
+
+    def _run(self, agent: NixlAgent, plan: Plan, request: FetchRequest, dst: Sequence[Any]) -> None:
+        """Post the plan's READs and wait; the tag (again) after them unless they ended within
+        half the producer's grace; the object freed if the tag is not its own; a packed object
+        copied out into ``dst``."""
+        plan.word[0] = 0
+        start = time.monotonic()
+        self._post(agent, plan.reads, plan, request)
+        if time.monotonic() - start >= plan.grace_s / 2:  # no grace, or its memory may have gone meanwhile
+            plan.word[0] = 0
+            agent.stats["tags_after"] += 1
+            self._post(agent, [plan.read_tag(agent)], plan, request)
+        if int(plan.word[0]) != plan.tag:
+            self.context.check_owner(request)  # raises ObjectFreedError / OwnerDiedError
+            raise TransportError(f"nixl: object {request.object_id.hex()} was freed by its owner")
+        if plan.landing is not None:
+            agent.landing.empty_into(plan.landing, dst)
+            agent.stats["packed_fetches"] += 1
+
+    def _post(self, agent: NixlAgent, reads: list, plan: Plan, request: FetchRequest) -> None:
+        """Post ``reads`` and wait for all (those not seen done stay in ``plan.posted``)."""
+        nixl, pending = agent.nixl, plan.posted
         try:
-            for (lv, rv), (local, remote) in groups:
-                ldescs = agent.nixl.get_xfer_descs(local, "VRAM" if lv else "DRAM")
-                rdescs = agent.nixl.get_xfer_descs(remote, "VRAM" if rv else "DRAM")
-                xfers.append(agent.nixl.initialize_xfer("READ", ldescs, rdescs, handle.name))
-                if agent.nixl.transfer(xfers[-1]) == "ERR":
+            for read in reads:
+                pending.append(read)
+                state = nixl.transfer(read)
+                if state == "ERR":
                     self._failed(request, "posting the READ")
-            self._wait(agent, xfers, request)
+                if state == "DONE":
+                    pending.pop()
+            if pending:
+                self._wait(nixl, pending, request)
         except Exception as e:
             if type(e).__name__.startswith("nixl"):  # NIXL's own errors: the owner's fate, else failed
                 self._failed(request, f"the READ ({type(e).__name__}: {e})")
             raise
-        agent.release(xfers)
 
-    def _wait(self, agent: NixlAgent, xfers: list, request: FetchRequest) -> None:
-        """Poll every transfer to DONE; bounded by the deadline, the owner checked meanwhile:
-        its pid, and on another machine its status now and then."""
-        owner, pending = request.owner, list(xfers)
-        remote_machine = not self.context.peer.same_machine(owner)
-        status_due = [time.monotonic() + _STATUS_EVERY_S]
-
-        def step(_slice_s: float) -> bool | None:
-            states = [agent.nixl.check_xfer_state(x) for x in pending]
-            if "ERR" in states:
+    def _wait(self, nixl: Any, pending: list, request: FetchRequest) -> None:
+        """Poll every transfer in ``pending`` to DONE (emptying it): spin, then yield, then sleep
+        0.1 ms between polls; bounded by the deadline, the owner checked meanwhile: its pid, and
+        on another machine its status now and then."""
+        owner, polls = request.owner, 0
+        start = time.monotonic()
+        alive_due, status_due = start + _ALIVE_EVERY_S, start + _STATUS_EVERY_S
+        while pending:
+            state = nixl.check_xfer_state(pending[-1])
+            if state == "DONE":
+                pending.pop()
+                continue
+            if state == "ERR":
                 self._failed(request, "the READ")
-            pending[:] = [x for x, s in zip(pending, states, strict=True) if s != "DONE"]
-            return None if pending else True
-
-        def check() -> None:
+            polls += 1
+            if polls < _SPIN:
+                continue
             now = time.monotonic()
-            if not self.context.peer_may_be_alive(owner) or (remote_machine and now >= status_due[0]):
-                status_due[0] = now + _STATUS_EVERY_S
-                self.context.check_owner(request)  # raises OwnerDiedError / PeerLostError
-
-        what = f"nixl: READ of object {request.object_id.hex()} from {owner.agent_id}"
-        wait_until(step, deadline=request.deadline, what=what, check=check, check_every_s=_ALIVE_EVERY_S, pause=_pace)
+            if now >= request.deadline:
+                raise TransferTimeoutError(
+                    f"nixl: READ of object {request.object_id.hex()} from {owner.agent_id}: "
+                    "not complete before the deadline"
+                )
+            if now >= alive_due:
+                alive_due = now + _ALIVE_EVERY_S
+                remote_machine = not self.context.peer.same_machine(owner)
+                if not self.context.peer_may_be_alive(owner) or (remote_machine and now >= status_due):
+                    status_due = now + _STATUS_EVERY_S
+                    self.context.check_owner(request)  # raises OwnerDiedError / PeerLostError
+            time.sleep(0.0 if now - start < 0.002 else 0.0001)
 
     def _failed(self, request: FetchRequest, what: str) -> None:
         """A transfer ended in error: the owner's death or free if that is why, else TransportError."""

@@ -9,8 +9,9 @@ it. ``TENSORWIRE_SHM_DIRECT=0`` turns it off (shm then packs every object into a
 The producer hands out addresses only after the object's token checked out (its descriptor
 server, :mod:`tensorwire.transport.backends.shm.memfd`), together with the address of a *live word*: a
 random 64-bit nonce in memory the producer never frees, overwritten when the object is
-freed. A consumer reads the tensors, then the live word; a mismatch means the object was
-freed (or its process replaced) during the copy, and the bytes are not used.
+freed. A consumer reads the tensors, then the live word (one call for an object of a few
+tensors: the kernel copies the iovecs in order); a mismatch means the object was freed (or its
+process replaced) during the copy, and the bytes are not used.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ _RANGE = struct.Struct("!QQ")  # address, bytes
 THREADED_MIN_NBYTES = 32 << 20  # a copy at least this large is split over the copy threads
 STEP_NBYTES = 16 << 20  # a copy that might miss its deadline goes in steps of this size
 _SLOW_BYTES_PER_S = 0.5e9  # a loaded machine's copy rate, for "surely done in time"
+_FEW = 64  # an object of fewer tensors is read with its live word in one call
 
 
 class _Iovec(ctypes.Structure):
@@ -104,10 +106,11 @@ def unavailable_reason() -> str | None:
     global _reason, _checked
     if os.environ.get("TENSORWIRE_SHM_DIRECT", "1").strip() == "0":
         return "turned off by TENSORWIRE_SHM_DIRECT=0"
-    with _lock:
-        if not _checked:
-            _reason, _checked = _probe(), True
-        return _reason
+    if not _checked:  # (read without the lock once set: a fetch asks every time)
+        with _lock:
+            if not _checked:
+                _reason, _checked = _probe(), True
+    return _reason
 
 
 def enabled() -> bool:
@@ -209,6 +212,21 @@ def _read_pieces(pid: int, pieces: Sequence[tuple[int, int, int]]) -> None:
                 batch[0, 2] -= step
 
 
+def _read_with_word(pid: int, pieces: Sequence[tuple[int, int, int]], total: int, info: DirectRead) -> bool | None:
+    """One ``process_vm_readv`` of every piece and, last, the live word (the kernel copies the
+    iovecs in order: the word is read after the data): whether it held the nonce; None if the
+    kernel copied less (the caller reads again the usual way). Raises OSError."""
+    word = ctypes.c_uint64(0)
+    count = len(pieces) + 1
+    local = (_Iovec * count)(*[_Iovec(d, n) for d, _, n in pieces], _Iovec(ctypes.addressof(word), 8))
+    remote = (_Iovec * count)(*[_Iovec(r, n) for _, r, n in pieces], _Iovec(info.live_address, 8))
+    got = _readv()(pid, local, count, remote, count, 0)
+    if got < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return word.value == info.nonce if got == total + 8 else None
+
+
 def _split(pieces: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
     """``pieces`` cut into ``parts`` runs of about equal bytes (large pieces are cut)."""
     total = sum(p[2] for p in pieces)
@@ -282,9 +300,15 @@ def read_into(
         raise TransportError("direct read: the owner's tensor sizes and the consumer's buffers disagree")
     total = sum(p[2] for p in pieces)
     try:
-        if deadline is not None and deadline - time.monotonic() <= total / _SLOW_BYTES_PER_S:
+        stepped = deadline is not None and deadline - time.monotonic() <= total / _SLOW_BYTES_PER_S
+        threaded = threads > 1 and total >= THREADED_MIN_NBYTES
+        if len(pieces) < _FEW and not stepped and not threaded:
+            live = _read_with_word(pid, pieces, total, info)
+            if live is not None:
+                return live
+        if stepped:
             _read_in_steps(pid, pieces, total, deadline, what)
-        elif threads > 1 and total >= THREADED_MIN_NBYTES:
+        elif threaded:
             _read_parallel(pid, pieces, threads)
         else:
             _read_pieces(pid, pieces)

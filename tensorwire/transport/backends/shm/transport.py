@@ -293,7 +293,7 @@ class ShmTransport(Transport):
                 local,
                 threads=self.copy_threads,
                 deadline=request.deadline,
-                what=f"shm direct read of {request!r}",
+                what=f"shm direct read of object {request.object_id.hex()}",
             )
         except cma.PermissionLost as e:
             self.context.check_owner(request)  # a dead owner's pid reused by another user: OwnerDiedError

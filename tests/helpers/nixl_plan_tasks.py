@@ -1,0 +1,129 @@
+"""Functions that the nixl plan and grace tests run inside spawned workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import tensorwire as tw
+from tensorwire.transport.backends.nixl import agent as nixl_agent
+from tensorwire.transport.host_pool import liveness
+from tests.helpers.tasks import digest
+
+_kept: dict[str, Any] = {}
+
+
+def put(name: str, nbytes: int, seed: int, grace_s: float = nixl_agent.GRACE_S) -> tw.Ref:
+    """Producer: a random ``nbytes`` tensor kept under ``name``, put; its handles promise a
+    grace of ``grace_s`` (this process's setting from now on)."""
+    nixl_agent.GRACE_S = grace_s
+    _kept[name] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    _kept[f"{name}/ref"] = tw.put(_kept[name])
+    return _kept[f"{name}/ref"]
+
+
+def digest_of(name: str) -> str:
+    return digest(_kept[name])
+
+
+def free(name: str) -> dict:
+    """Producer: free the object ``name`` (its tensor dropped here too): whether its memory was
+    still alive right after, and the counters."""
+    _kept["weak"] = liveness(_kept[name])
+    del _kept[name]
+    tw.free(_kept.pop(f"{name}/ref"))
+    return {"alive": not _kept["weak"].expired(), "stats": nixl_agent.stats()}
+
+
+def end_graces() -> None:
+    """Producer: every lingering object's grace ends now (the sweep lets them go)."""
+    agent = nixl_agent.process_agent()
+    with agent.lock:
+        agent.lingering = type(agent.lingering)((0.0, t, r) for _, t, r in agent.lingering)
+    agent.wake.set()
+
+
+def freed_memory_gone() -> bool:
+    """Producer: whether the memory of the object last freed by :func:`free` is gone."""
+    return _kept["weak"].expired() and nixl_agent.stats()["lingering"] == 0
+
+
+def stats() -> dict:
+    return nixl_agent.stats()
+
+
+def fetch_into(ref: tw.Ref, names: list[str]) -> dict:
+    """Consumer: fetch ``ref`` over nixl into the buffer named by each of ``names`` in turn
+    (made on first use, cleared before each fetch); digests, and the counters after."""
+    digests = []
+    for name in names:
+        out = _kept.setdefault(f"out/{name}", torch.empty(ref.nbytes, dtype=torch.uint8))
+        out.zero_()
+        assert tw.get(ref, out=out, transport="nixl") is out
+        digests.append(digest(out))
+    return {"digests": digests, "stats": nixl_agent.stats()}
+
+
+def outcome(ref: tw.Ref, name: str) -> str:
+    """Consumer: a fetch into buffer ``name``: its digest, or the error's class name."""
+    try:
+        return fetch_into(ref, [name])["digests"][0]
+    except tw.TensorwireError as e:
+        return type(e).__name__
+
+
+def drop_buffer(name: str) -> None:
+    del _kept[f"out/{name}"]
+
+
+def put_mixed(name: str) -> tw.Ref:
+    """Producer: a small value of several dtypes (bfloat16, an empty tensor) kept under ``name``."""
+    generator = torch.Generator().manual_seed(7)
+    _kept[name] = {
+        "a": torch.randn(100, generator=generator).to(torch.bfloat16),
+        "b": torch.arange(33, dtype=torch.int64),
+        "empty": torch.empty(0, dtype=torch.float32),
+        "c": torch.randint(0, 2, (5,), generator=generator, dtype=torch.bool),
+    }
+    _kept[f"{name}/ref"] = tw.put(_kept[name])
+    return _kept[f"{name}/ref"]
+
+
+def value_digest(name: str) -> str:
+    return digest(list(_kept[name].values()))
+
+
+def fetch_value(ref: tw.Ref) -> tuple[list[str], dict]:
+    """Consumer: fetch a dict value over nixl twice (new tensors, then into those, zeroed
+    first): its digest each time, the counters."""
+    value = tw.get(ref, transport="nixl")
+    digests = [digest(list(value.values()))]
+    for tensor in value.values():
+        tensor.zero_()
+    again = tw.get(ref, transport="nixl", out=value)
+    assert all(again[k] is value[k] for k in value)  # filled in place
+    return [*digests, digest(list(value.values()))], nixl_agent.stats()
+
+
+def put_many(count: int, nbytes: int) -> list[tw.Ref]:
+    """Producer: ``count`` small objects, all kept live (more than the slab has slots)."""
+    refs = [put(f"many{i}", nbytes, i) for i in range(count)]
+    return refs
+
+
+def digests_of(names: list[str]) -> list[str]:
+    return [digest(_kept[n]) for n in names]
+
+
+def fetch_each(refs: list[tw.Ref]) -> list[str]:
+    return [digest(tw.get(ref, transport="nixl")) for ref in refs]
+
+
+def packed_slot(name: str) -> int | None:
+    """Producer: the slab slot the exported object ``name`` is packed in (None: not packed)."""
+    from tensorwire.runtime.ray_env import agent as runtime_agent
+
+    desc = _kept[f"{name}/ref"].state.desc
+    state = runtime_agent().local_object(desc.object_id, desc.token).transport_state.get("nixl")
+    return state[1] if state and state[0] == "packed" else None

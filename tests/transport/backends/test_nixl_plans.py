@@ -1,0 +1,120 @@
+"""The nixl consumer's kept READs (plans) and the producer's grace: a repeated fetch posts
+READs prepared once per (object, destination); the tag is read with the data when the producer
+keeps freed memory for a grace, after it otherwise; a fetch that starts after a free is
+refused while the memory still lingers."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.helpers.observe import wait_until
+from tests.helpers.procs import Worker
+
+INSTALLED = any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12", "nixl_cu13"))
+pytestmark = pytest.mark.skipif(
+    not INSTALLED, reason="NIXL is not installed: pip install 'tensorwire[nixl]' (or nixl-cu12)"
+)
+
+MIB = 1 << 20
+TCP = {"UCX_TLS": "tcp,self", "OMP_NUM_THREADS": "1", "TENSORWIRE_INLINE_NBYTES": "0"}  # 4 KiB not inline
+P = "tests.helpers.nixl_plan_tasks"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A producer and a consumer that claim different nodes and use UCX over TCP only."""
+    producer = Worker(env={**TCP, "TENSORWIRE_NODE_ID": "plans-a"})
+    consumer = Worker(env={**TCP, "TENSORWIRE_NODE_ID": "plans-b"})
+    yield producer, consumer
+    producer.close()
+    consumer.close()
+
+
+def test_repeated_fetches_post_prepared_reads_one_plan_per_destination(pair):
+    producer, consumer = pair
+    ref = producer.call(f"{P}:put", "repeat", 64 << 10, 1)  # larger than a slab slot: read where it lies
+    expected = producer.call(f"{P}:digest_of", "repeat")
+    before = consumer.call(f"{P}:stats") if consumer.call(f"{P}:stats") else {"plans_made": 0, "plans": 0}
+    got = consumer.call(f"{P}:fetch_into", ref, ["a"] * 5 + ["b"] * 3 + ["a"])
+    assert got["digests"] == [expected] * 9
+    # the first fetch into a buffer makes its READs for itself; the second keeps them, later ones reuse them
+    assert got["stats"]["plans_made"] - before["plans_made"] == 2, got["stats"]
+    assert got["stats"]["plans"] - before["plans"] == 2, got["stats"]
+    consumer.call(f"{P}:drop_buffer", "a")  # its memory freed: its plan goes (an address may be reused)
+    assert wait_until(lambda: consumer.call(f"{P}:stats")["plans"] - before["plans"] == 1, timeout_s=30)
+    again = consumer.call(f"{P}:fetch_into", ref, ["a", "a", "a"])  # a new buffer named "a": a new plan
+    assert again["digests"] == [expected] * 3
+    assert again["stats"]["plans_made"] - before["plans_made"] == 3, again["stats"]
+
+
+def test_tag_is_read_with_the_data_within_the_grace_and_after_it_otherwise(pair):
+    producer, consumer = pair
+    small = producer.call(f"{P}:put", "small", 4096, 2, 30.0)  # a grace no trip here outlasts
+    start = consumer.call(f"{P}:stats") or {"tags_after": 0}
+    got = consumer.call(f"{P}:fetch_into", small, ["s"] * 4)
+    assert got["digests"] == [producer.call(f"{P}:digest_of", "small")] * 4
+    assert got["stats"]["tags_after"] == start.get("tags_after", 0), got["stats"]  # one trip each
+    tiny = producer.call(f"{P}:put", "tiny", 4096, 3, 1e-6)  # every trip outlasts half of 1 us
+    got = consumer.call(f"{P}:fetch_into", tiny, ["t"] * 4)
+    assert got["digests"] == [producer.call(f"{P}:digest_of", "tiny")] * 4
+    assert got["stats"]["tags_after"] - start.get("tags_after", 0) == 4, got["stats"]
+    big = producer.call(f"{P}:put", "big", 8 * MIB, 4, 30.0)  # over LINGER_NBYTES: no grace at all
+    got = consumer.call(f"{P}:fetch_into", big, ["g"] * 2)
+    assert got["digests"] == [producer.call(f"{P}:digest_of", "big")] * 2
+    assert got["stats"]["tags_after"] - start.get("tags_after", 0) == 6, got["stats"]
+    producer.call(f"{P}:put", "reset", 1, 0, 0.02)  # the default grace again
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-plan", "first-fetch"])
+def test_a_fetch_after_free_is_refused_while_the_memory_lingers(pair, kept):
+    producer, consumer = pair
+    # larger than a slab slot (read where it lies); its handle promises a 600 s grace
+    ref = producer.call(f"{P}:put", f"freed-{kept}", 64 << 10, 5, 600.0)
+    if kept:  # this buffer has a kept plan when the object is freed
+        assert consumer.call(f"{P}:fetch_into", ref, ["f", "f"])["digests"][0] == producer.call(
+            f"{P}:digest_of", f"freed-{kept}"
+        )
+    freed = producer.call(f"{P}:free", f"freed-{kept}")
+    assert freed["alive"] and freed["stats"]["lingering"] >= 1, freed  # kept for the grace ...
+    assert consumer.call(f"{P}:outcome", ref, "f" if kept else "n") == "ObjectFreedError"  # ... never read as live
+    producer.call(f"{P}:end_graces")
+    assert wait_until(lambda: producer.call(f"{P}:freed_memory_gone"), timeout_s=30)
+    producer.call(f"{P}:put", "reset", 1, 0, 0.02)
+
+
+def test_small_host_objects_are_read_in_one_descriptor_bytes_exact(pair):
+    producer, consumer = pair
+    before = consumer.call(f"{P}:stats") or {"packed_fetches": 0}
+    ref = producer.call(f"{P}:put_mixed", "mixed")  # bfloat16, int64, bool and an empty tensor: 377 bytes
+    got, after = consumer.call(f"{P}:fetch_value", ref)
+    assert got == [producer.call(f"{P}:value_digest", "mixed")] * 2
+    assert producer.call(f"{P}:packed_slot", "mixed") is not None
+    assert after["packed_fetches"] - before.get("packed_fetches", 0) == 2, after  # new tensors, then out=
+
+
+def test_a_slab_slot_taken_by_a_new_object_never_serves_the_old_reference(pair):
+    producer, consumer = pair
+    old = producer.call(f"{P}:put", "slot-old", 2048, 8)
+    assert consumer.call(f"{P}:outcome", old, "o") == producer.call(f"{P}:digest_of", "slot-old")
+    slot = producer.call(f"{P}:packed_slot", "slot-old")
+    assert slot is not None
+    producer.call(f"{P}:free", "slot-old")
+    producer.call(f"{P}:end_graces")  # the slot goes back to the slab ...
+    assert wait_until(lambda: producer.call(f"{P}:stats")["lingering"] == 0, timeout_s=30)
+    new = producer.call(f"{P}:put", "slot-new", 2048, 9)
+    assert (
+        producer.call(f"{P}:packed_slot", "slot-new") == slot
+    )  # ... and the next object takes it (last in, first out)
+    assert consumer.call(f"{P}:outcome", old, "o") == "ObjectFreedError"  # the new object's tag is not the old one's
+    assert consumer.call(f"{P}:outcome", new, "o") == producer.call(f"{P}:digest_of", "slot-new")
+
+
+def test_with_every_slab_slot_taken_small_objects_take_the_usual_path(pair):
+    producer, consumer = pair
+    refs = producer.call(f"{P}:put_many", 300, 1024)  # exported as they leave: the last ones find the slab full
+    assert consumer.call(f"{P}:fetch_each", refs) == producer.call(f"{P}:digests_of", [f"many{i}" for i in range(300)])
+    assert (
+        producer.call(f"{P}:packed_slot", "many0") is not None and producer.call(f"{P}:packed_slot", "many299") is None
+    )
