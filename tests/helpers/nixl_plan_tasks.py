@@ -40,7 +40,7 @@ def end_graces() -> None:
     """Producer: every lingering object's grace ends now (the sweep lets them go)."""
     agent = nixl_agent.process_agent()
     with agent.lock:
-        agent.lingering = type(agent.lingering)((0.0, t, r) for _, t, r in agent.lingering)
+        agent.lingering = type(agent.lingering)(e._replace(until=0.0) for e in agent.lingering)
     agent.wake.set()
 
 
@@ -126,4 +126,54 @@ def packed_slot(name: str) -> int | None:
 
     desc = _kept[f"{name}/ref"].state.desc
     state = runtime_agent().local_object(desc.object_id, desc.token).transport_state.get("nixl")
-    return state[1] if state and state[0] == "packed" else None
+    return state.slot if type(state).__name__ == "_Packed" else None
+
+
+def set_grace(grace_s: float) -> None:
+    nixl_agent.GRACE_S = grace_s
+
+
+def fetch_freed_midway(ref: tw.Ref, name: str) -> str:
+    """Consumer: a fetch into buffer ``name`` whose object is freed at its owner after the READ of
+    data and tag and before the tag is read again (with a grace shorter than any READ, it always
+    is): the digest, or the error's class name."""
+    from tensorwire.transport.backends.nixl import plans
+
+    real = plans.Plan.read_tag
+
+    def freeing(plan: Any, agent: Any) -> Any:
+        tw.free(ref)  # blocks for the owner's answer: its tag is cleared there now
+        return real(plan, agent)
+
+    plans.Plan.read_tag = freeing
+    try:
+        return outcome(ref, name)
+    finally:
+        plans.Plan.read_tag = real
+
+
+def stale_registration_in_use() -> dict:
+    """A registration still in use whose memory is freed (its weak reference expired, as when a
+    kept plan or a lingering object outlives its tensor) is not handed out for new memory at
+    the same address: that gets a registration of its own; the old one goes at its last unuse."""
+    agent = nixl_agent.process_agent()
+    tensor = torch.ones(1 << 20, dtype=torch.uint8)
+    (old,) = agent.acquire([tensor])
+
+    class Freed:
+        def expired(self) -> bool:
+            return True
+
+    old.weak = Freed()  # what a freed storage's weak reference says
+    before = dict(nixl_agent.stats())
+    (new,) = agent.acquire([tensor])  # "new memory" at the same address
+    listed = agent.regs.get(nixl_agent.region(tensor)) is new
+    agent.unuse([old])
+    after = dict(nixl_agent.stats())
+    agent.unuse([new])
+    return {
+        "same": new is old,
+        "listed": listed,
+        "old_stale": old.stale,
+        "deregistered": after["deregistered"] - before["deregistered"],
+    }

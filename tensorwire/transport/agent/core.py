@@ -72,6 +72,7 @@ class Agent(TransportContext, AgentServices):
         self._lock = threading.RLock()
         self._warned: set[str] = set()
         self._records: collections.deque[TransferRecord] = collections.deque(maxlen=1000)  # appends: no lock
+        self._totals_before = metrics.totals.by_transport()  # the process's, before this agent (stats: its own)
         self._closed = threading.Event()
         self.pid = os.getpid()
 
@@ -387,6 +388,15 @@ class Agent(TransportContext, AgentServices):
             desc, handles, dst=dst, targets=targets, forced=forced, view=view, pooled=pooled, timeout_s=timeout_s
         )
 
+    def _transfers(self) -> dict[str, dict[str, int]]:
+        """This agent's fetches by transport: count and bytes."""
+        result = {}
+        for name, row in metrics.totals.by_transport().items():
+            before = self._totals_before.get(name, [0, 0])
+            if row[0] > before[0]:
+                result[name] = {"count": int(row[0] - before[0]), "nbytes": int(row[1] - before[1])}
+        return result
+
     def _record(self, record: TransferRecord) -> None:
         self._records.append(record)
         metrics.notify(record)
@@ -405,9 +415,7 @@ class Agent(TransportContext, AgentServices):
                 "transfers_serving": self._service.serving_now,
                 "transports_usable": list(self._transports.names()),
                 "transports_unusable": self._transports.unusable(),
-                "transfers": {
-                    n: {"count": int(row[0]), "nbytes": int(row[1])} for n, row in metrics.totals.by_transport().items()
-                },
+                "transfers": self._transfers(),
                 "recent": list(self._records),
                 "host_pool": self.host_pool.stats(),
             }

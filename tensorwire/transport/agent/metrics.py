@@ -22,6 +22,7 @@ import bisect
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -59,19 +60,23 @@ class TransferRecord(NamedTuple):
 
 class Totals:
     """Per transport: fetches, bytes, the sum of durations and the duration histogram, kept per
-    thread (a fetch updates its own thread's numbers without a lock) and summed when read."""
+    thread (a fetch updates its own thread's numbers without a lock) and summed when read; a
+    thread that ends has its numbers folded into the others'."""
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self._tables: list[dict[str, list[float]]] = []  # every thread's, dead threads' included
-        self._lock = threading.Lock()  # only for a thread's first record
+        self._tables: list[dict[str, list[float]]] = []  # each live thread's
+        self._ended: dict[str, list[float]] = {}  # the threads' that ended
+        self._lock = threading.RLock()  # for a thread's first record, its end, and reads
 
     def add(self, record: TransferRecord) -> None:
         table = getattr(self._local, "table", None)
         if table is None:
             table = self._local.table = {}
+            self._local.alive = alive = _Alive()  # collected with the thread's locals when it ends
             with self._lock:
                 self._tables.append(table)
+            weakref.finalize(alive, self._fold, table)
         row = table.get(record.transport)
         if row is None:
             row = table[record.transport] = [0.0] * (3 + len(BUCKETS) + 1)
@@ -83,20 +88,34 @@ class Totals:
     def by_transport(self) -> dict[str, list[float]]:
         """transport -> [count, bytes, seconds, count per bucket (the last: above the top bound)]."""
         with self._lock:
+            summed = {name: list(row) for name, row in self._ended.items()}
             tables = list(self._tables)
-        summed: dict[str, list[float]] = {}
         for table in tables:
-            for name, row in list(table.items()):
-                into = summed.setdefault(name, [0.0] * len(row))
-                for i, value in enumerate(row):
-                    into[i] += value
+            _add_into(summed, table)
         return summed
+
+    def _fold(self, table: dict[str, list[float]]) -> None:
+        with self._lock:
+            self._tables = [t for t in self._tables if t is not table]
+            _add_into(self._ended, table)
 
     def reset(self) -> None:
         """Forget everything (a forked child starts from zero)."""
         self._local = threading.local()
         self._tables = []
-        self._lock = threading.Lock()
+        self._ended = {}
+        self._lock = threading.RLock()
+
+
+class _Alive:
+    """A thread's marker in its locals: collected when the thread ends."""
+
+
+def _add_into(summed: dict[str, list[float]], table: dict[str, list[float]]) -> None:
+    for name, row in list(table.items()):
+        into = summed.setdefault(name, [0.0] * len(row))
+        for i, value in enumerate(row):
+            into[i] += value
 
 
 totals = Totals()

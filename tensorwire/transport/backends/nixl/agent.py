@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tensorwire.errors import TransportError, TransportUnavailableError
 from tensorwire.transport.backends.nixl.engine import BACKENDS_ENV, new_agent
@@ -32,6 +32,8 @@ __all__ = [
     "GRACE_S",
     "LINGER_NBYTES",
     "SLOTS",
+    "KeptReads",
+    "Lingering",
     "NixlAgent",
     "Registration",
     "agent_name",
@@ -46,17 +48,39 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "TENSORWIRE_NIXL_CACHE"
 SLOTS = 4096  # liveness slots per process (objects exported and live at once)
-# A freed object of at most LINGER_NBYTES keeps its memory (its tensors, their registrations) this
-# long after its tag is cleared, so a consumer's READ of data and tag together that saw the tag and
-# ended within half of it read memory nothing had reused; a longer READ (and any READ of a larger
-# object, whose memory goes at once) reads the tag again after the data.
+# A freed host object whose storages hold at most LINGER_NBYTES keeps its memory (its tensors,
+# their registrations) this long after its tag is cleared, so a consumer's READ of data and tag
+# together that saw the tag and ended within half of it read memory nothing had reused; a longer
+# READ (and any READ of a larger or GPU object, whose memory goes at once) reads the tag again
+# after the data.
 GRACE_S = 0.02
 LINGER_NBYTES = 4 << 20
 
 
-def grace_us(nbytes: int) -> int:
-    """The grace (microseconds) a freed object of ``nbytes`` keeps its memory for: 0 if it does not linger."""
-    return round(GRACE_S * 1e6) if nbytes <= LINGER_NBYTES else 0
+def grace_us(storage_nbytes: int, host: bool) -> int:
+    """The grace (microseconds) a freed object keeps its memory for (``storage_nbytes``: what its
+    storages hold, all kept): 0 if it does not linger (GPU memory, or more than LINGER_NBYTES)."""
+    return round(GRACE_S * 1e6) if host and storage_nbytes <= LINGER_NBYTES else 0
+
+
+class Lingering(NamedTuple):
+    """A freed object's memory kept for its grace."""
+
+    until: float  # time.monotonic()
+    memory: tuple  # the tensors kept alive meanwhile
+    then: Callable[[], None]  # lets go of the rest (registrations, a slab slot)
+    nbytes: int
+
+
+class KeptReads(NamedTuple):
+    """READs that did not end, kept with everything they touch until NIXL says they ended."""
+
+    owner: str  # the producer's NIXL agent
+    reads: list
+    memory: list  # the buffers they write
+    regs: list
+    give_back: Callable[[], None]  # frees where their tag lands
+    lists: list  # prepared descriptor lists they were made from
 
 
 def region(tensor: Any) -> tuple[int, int, bool, int]:
@@ -72,6 +96,7 @@ class Registration:
     weak: Any  # torch StorageWeakRef: whether the registered memory still exists
     descs: Any  # nixlRegDList
     users: int = 0
+    stale: bool = False  # its memory was freed while in use: unlisted, deregistered at its last unuse
 
 
 class NixlAgent:
@@ -93,9 +118,8 @@ class NixlAgent:
         self.idle: dict[tuple, Registration] = {}  # users dropped to 0: checked for freed memory by _sweep
         self.partials: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
         self.remote: dict[str, set[int]] = {}  # remote agent name -> registration ids loaded
-        # READs kept until they end: (owner, READs, memory, regs, what gives their tag word back, prepared lists)
-        self.stuck: list[tuple[str, list, list, list, Callable[[], None], list]] = []
-        self.lingering: deque[tuple[float, tuple, Callable[[], None]]] = deque()  # freed: (until, memory, then)
+        self.stuck: list[KeptReads] = []
+        self.lingering: deque[Lingering] = deque()  # freed objects' memory, by the end of their grace
         self.stats = dict.fromkeys(
             (
                 "registered",
@@ -135,8 +159,8 @@ class NixlAgent:
                 if key in found:
                     continue
                 reg = self.regs.get(key)
-                if reg is not None and reg.users == 0 and reg.weak.expired():
-                    self._drop(reg)
+                if reg is not None and reg.weak.expired():  # new memory at a freed one's address
+                    self._retire(reg)
                     reg = None
                 found[key] = reg
                 if reg is None:
@@ -164,16 +188,29 @@ class NixlAgent:
         with self.lock:
             for reg in regs:
                 reg.users -= 1
-            self.idle.update((r.key, r) for r in regs if r.users == 0)
+                if reg.users == 0 and reg.stale:
+                    self._deregister(reg)
+            self.idle.update((r.key, r) for r in regs if r.users == 0 and not r.stale)
+
+    def _retire(self, reg: Registration) -> None:
+        """A registration whose memory was freed: deregistered now if unused, else unlisted (the
+        memory at its address is registered anew) and deregistered at its last unuse."""
+        if reg.users == 0:
+            self._drop(reg)
+            return
+        self.regs.pop(reg.key, None)
+        self.idle.pop(reg.key, None)
+        reg.stale = True
 
     def _registered(self, buffer: Any) -> Registration:
         """``buffer`` registered for the process's life (a slab's block)."""
         return self.acquire([buffer])[0]
 
-    def linger(self, memory: Sequence[Any], then: Callable[[], None], grace_s: float) -> None:
-        """Producer: keep a freed object's ``memory`` for ``grace_s``, then call ``then`` (the sweep does)."""
+    def linger(self, memory: Sequence[Any], then: Callable[[], None], grace_s: float, nbytes: int) -> None:
+        """Producer: keep a freed object's ``memory`` (``nbytes``) for ``grace_s``, then call
+        ``then`` (the sweep does)."""
         with self.lock:
-            self.lingering.append((time.monotonic() + grace_s, tuple(memory), then))
+            self.lingering.append(Lingering(time.monotonic() + grace_s, tuple(memory), then, nbytes))
         self.wake.set()
 
     def _sweep(self) -> None:
@@ -185,17 +222,23 @@ class NixlAgent:
             self.wake.clear()
             if self.stopped.is_set():
                 return
-            with self.lock:
-                now = time.monotonic()
-                while self.lingering and self.lingering[0][0] <= now:
-                    self.lingering.popleft()[2]()
-                self.plans.sweep()
-                self.settle()
-                for key, reg in list(self.idle.items()):
-                    if reg.users or self.regs.get(key) is not reg:
-                        del self.idle[key]
-                    elif reg.weak.expired():
-                        self._drop(reg)  # unlisted there too
+            try:
+                self._sweep_once()
+            except Exception:  # a failure here must not end the thread: lingering memory would grow
+                logger.exception("nixl: the sweep failed (it goes on)")
+
+    def _sweep_once(self) -> None:
+        with self.lock:
+            now = time.monotonic()
+            while self.lingering and self.lingering[0].until <= now:
+                self.lingering.popleft().then()
+            self.plans.sweep()
+            self.settle()
+            for key, reg in list(self.idle.items()):
+                if reg.users or self.regs.get(key) is not reg:
+                    del self.idle[key]
+                elif reg.weak.expired():
+                    self._drop(reg)  # unlisted there too
 
     def _trim(self) -> None:  # the least recently used unused registrations beyond the capacity go
         excess = len(self.regs) - self.capacity
@@ -205,6 +248,9 @@ class NixlAgent:
     def _drop(self, reg: Registration) -> None:
         self.regs.pop(reg.key, None)
         self.idle.pop(reg.key, None)
+        self._deregister(reg)
+
+    def _deregister(self, reg: Registration) -> None:
         try:
             self.nixl.deregister_memory(reg.descs)
             self.stats["deregistered"] += 1
@@ -257,26 +303,28 @@ class NixlAgent:
     def forget_remote(self, name: str) -> None:
         with self.lock:  # kept READs from it still run (after a disconnect NIXL says ERR, yet they land)
             self.plans.forget(name)
-            if not any(e[0] == name for e in self.stuck) and self.remote.pop(name, None) is not None:
+            if not any(e.owner == name for e in self.stuck) and self.remote.pop(name, None) is not None:
                 with contextlib.suppress(Exception):  # the peer is gone either way
                     self.nixl.remove_remote_agent(name)
 
-    def keep_running(self, entry: tuple[str, list, list, list, Callable[[], None], list]) -> None:
-        """READs that did not end (owner, READs, the memory they write, registrations, what gives
-        their tag word back, prepared lists): all kept until NIXL says they ended (:meth:`settle`)."""
-        logger.warning("nixl: %d READs from %s unfinished; their memory is kept", len(entry[1]), entry[0])
+    def keep_running(
+        self, owner: str, reads: list, *, memory: list, regs: list, give_back: Callable[[], None], lists: list
+    ) -> None:
+        """READs from ``owner`` that did not end: kept, with all they touch, until NIXL says they
+        ended (:meth:`settle`)."""
+        logger.warning("nixl: %d READs from %s unfinished; their memory is kept", len(reads), owner)
         with self.lock:
-            self.stuck.append(entry)
+            self.stuck.append(KeptReads(owner, reads, memory, regs, give_back, lists))
 
     def settle(self) -> None:
         """Release kept READs that ended: one past its deadline can still land (seen: SIGSEGV)."""
         with self.lock:
-            for entry in [e for e in self.stuck if not any(self.running(x) for x in e[1])]:
+            for entry in [e for e in self.stuck if not any(self.running(x) for x in e.reads)]:
                 self.stuck.remove(entry)
-                self.release(entry[1])
-                self.release_lists(entry[5])
-                self.unuse(entry[3])
-                entry[4]()
+                self.release(entry.reads)
+                self.release_lists(entry.lists)
+                self.unuse(entry.regs)
+                entry.give_back()
 
     def release(self, xfers: list) -> None:
         """Release ended transfers' handles (``xfers`` is emptied)."""
@@ -344,6 +392,7 @@ def stats() -> dict[str, int]:
             "idle": len(agent.idle),
             "live_slots": SLOTS - len(agent.free_table),
             "lingering": len(agent.lingering),
+            "lingering_nbytes": sum(e.nbytes for e in agent.lingering),
             "plans": agent.plans.count(),
             "stuck_reads": len(agent.stuck),
         }

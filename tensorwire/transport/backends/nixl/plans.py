@@ -29,7 +29,7 @@ KEPT = 64  # plans a process keeps (the least recently used go first)
 _SEEN = 1024  # (object, destination) pairs remembered as fetched once: the second fetch makes a plan
 
 
-class NixlAgent(Protocol):
+class PlanOwner(Protocol):
     """What plans use of this process's NIXL agent (:class:`.agent.NixlAgent`, which owns them)."""
 
     nixl: Any
@@ -39,7 +39,9 @@ class NixlAgent(Protocol):
     def release(self, xfers: list) -> None: ...
     def release_lists(self, dlists: list) -> None: ...
     def unuse(self, regs: Sequence[Any]) -> None: ...
-    def keep_running(self, entry: tuple[str, list, list, list, Callable[[], None], list]) -> None: ...
+    def keep_running(
+        self, owner: str, reads: list, *, memory: list, regs: list, give_back: Callable[[], None], lists: list
+    ) -> None: ...
 
 
 @dataclass(eq=False)
@@ -64,7 +66,7 @@ class Plan:
     posted: list[Any] = field(default_factory=list)  # READs posted in this fetch and not seen done
     busy: bool = False
 
-    def read_tag(self, agent: NixlAgent) -> Any:
+    def read_tag(self, agent: PlanOwner) -> Any:
         """The READ of the tag alone (made on first need for a one-shot plan)."""
         if self.tag_read is None:
             nixl, (local, remote) = agent.nixl, self.tag_rows
@@ -77,7 +79,7 @@ class Plan:
 class Plans:
     """This process's kept plans (under the NIXL agent's lock)."""
 
-    def __init__(self, agent: NixlAgent) -> None:
+    def __init__(self, agent: PlanOwner) -> None:
         self._agent = agent
         self._kept: OrderedDict[tuple, Plan] = OrderedDict()
         self._seen: OrderedDict[tuple, None] = OrderedDict()
@@ -126,10 +128,11 @@ class Plans:
 
     def done(self, plan: Plan) -> None:
         """After a fetch that succeeded: a kept plan waits for the next one, another is released."""
-        if plan.kept:
-            plan.busy = False
-        else:
-            self.retire(plan)
+        with self._agent.lock:  # (a plan dropped meanwhile is no longer kept: released here)
+            if plan.kept:
+                plan.busy = False
+                return
+        self.retire(plan)
 
     def failed(self, plan: Plan, running: list[Any] | None) -> None:
         """After a fetch that failed: the plan goes (its READs kept until they end, with the
@@ -167,7 +170,9 @@ class Plans:
         once they end, keeping ``running`` (the memory they write) meanwhile."""
         agent, reads = self._agent, [*plan.reads, *([plan.tag_read] if plan.tag_read is not None else [])]
         if running is not None:
-            agent.keep_running((plan.owner, reads, running, plan.regs, plan.give_back, plan.dlists))
+            agent.keep_running(
+                plan.owner, reads, memory=running, regs=plan.regs, give_back=plan.give_back, lists=plan.dlists
+            )
             return
         agent.release(reads)
         agent.release_lists(plan.dlists)
@@ -175,7 +180,7 @@ class Plans:
         plan.give_back()
 
 
-def _build(agent: NixlAgent, plan: Plan) -> None:
+def _build(agent: PlanOwner, plan: Plan) -> None:
     """Plan's READs: prepared (kept plans) or made for one fetch."""
     nixl = agent.nixl
     for (lv, rv), (local, remote) in plan.groups:

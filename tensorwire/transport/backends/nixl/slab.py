@@ -15,11 +15,14 @@ once and kept; when a block is full, objects and fetches take the usual path.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["SLOTS", "SLOT_NBYTES", "Slab", "fits", "span"]
+
+logger = logging.getLogger(__name__)
 
 SLOT_NBYTES = 32 << 10
 SLOTS = 256
@@ -45,15 +48,21 @@ class Slab:
         self.buffer: Any = None  # torch uint8 tensor, once made
         self.registration: Any = None  # what ``register`` returned for it
         self.base = 0
+        self.failed = ""  # why the block could not be made (then every take is None)
 
     def take(self) -> int | None:
-        """A free slot, or None when every slot is in use."""
+        """A free slot, or None when every slot is in use (or the block could not be made)."""
         with self._lock:
-            if self.buffer is None:
+            if self.buffer is None and not self.failed:
                 import torch
 
                 buffer = torch.zeros(SLOTS * SLOT_NBYTES, dtype=torch.uint8)
-                self.registration = self._register(buffer)
+                try:
+                    self.registration = self._register(buffer)
+                except Exception as e:  # noqa: BLE001 - NIXL raises its own classes: small objects go the usual way
+                    self.failed = f"{type(e).__name__}: {e}"
+                    logger.warning("nixl: no slab for small objects (%s); they are read where they lie", self.failed)
+                    return None
                 self.buffer, self.base, self._free = buffer, buffer.data_ptr(), list(range(SLOTS - 1, -1, -1))
             return self._free.pop() if self._free else None
 

@@ -18,7 +18,7 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,6 +51,25 @@ logger = logging.getLogger(__name__)
 
 _ALIVE_EVERY_S = 0.2  # seconds between checks of the owner's pid while a READ runs
 _STATUS_EVERY_S = 2.0  # ... and of its status, when it runs on another machine
+
+
+class _Exported(NamedTuple):
+    """Producer: an object read where it lies."""
+
+    regs: list  # its storages' registrations
+    slot: int  # its liveness slot in the agent's table
+    grace_us: int
+    storage_nbytes: int
+
+
+class _Packed(NamedTuple):
+    """Producer: a small host object copied with its tag into a slab slot."""
+
+    slot: int
+    grace_us: int
+    word: Any  # its tag
+
+
 _SPIN = 200  # polls of a READ without a pause (a small one ends in microseconds); then yield, later sleep 0.1 ms
 
 
@@ -145,8 +164,9 @@ class NixlTransport(Transport):
         agent.table_np[slot] = tag = secrets.randbits(63) | 1
         rows = np.array([(t.data_ptr(), t.nbytes, t.device.index or 0, t.device.type == "cuda") for t in tensors], ROW)
         rids, flag_addr = (*(r.rid for r in regs), agent.table_reg.rid), agent.table.data_ptr() + 8 * slot
-        grace = grace_us(obj.nbytes)  # how long its memory is kept after a free
-        obj.transport_state[self.name] = (regs, slot, grace)
+        storage_nbytes = sum(r.key[1] for r in regs)  # what a grace would keep
+        grace = grace_us(storage_nbytes, host=all(t.device.type == "cpu" for t in tensors))
+        obj.transport_state[self.name] = _Exported(regs, slot, grace, storage_nbytes)
         return Handle(agent.name, tuple(partials), rids, rows, flag_addr, tag, grace).signed(obj.token)
 
     def _export_packed(self, agent: NixlAgent, obj: StoredObject, slot: int) -> bytes:
@@ -160,42 +180,47 @@ class NixlTransport(Transport):
         rows = np.array([(address, n, 0, False) for address, n in slab.fill(slot, obj.tensors)], ROW)
         flag_addr = slab.address(slot) + span(obj.nbytes) - 8
         (word := slab.word(flag_addr))[0] = tag = secrets.randbits(63) | 1
-        grace = grace_us(obj.nbytes)
-        obj.transport_state[self.name] = ("packed", slot, grace, word)
+        grace = grace_us(span(obj.nbytes), host=True)
+        obj.transport_state[self.name] = _Packed(slot, grace, word)
         agent.stats["packed_exports"] += 1
         handle = Handle(agent.name, tuple(partials), (slab.registration.rid,), rows, flag_addr, tag, grace, packed=True)
         return handle.signed(obj.token)
 
     def release(self, obj: StoredObject) -> None:
         state, agent = obj.transport_state.pop(self.name, None), existing_agent()
-        if not isinstance(state, tuple) or agent is None:
+        if agent is None:
             return
-        if state[0] == "packed":
-            _, slot, grace, word = state
-            word[0] = 0  # a READ of the tag from now on sees "freed"
-            agent.linger((), lambda: agent.objects.give(slot), grace / 1e6)  # the slot reused after the grace
-            return
-        regs, slot, grace = state
-        agent.table_np[slot] = 0  # a READ of the tag from now on sees "freed"
-        agent.free_table.append(slot)
-        # a READ that saw the tag before reads intact memory: kept for the grace it promised
-        agent.linger(obj.tensors if grace else (), lambda: agent.unuse(regs), grace / 1e6)
+        if isinstance(state, _Packed):
+            state.word[0] = 0  # a READ of the tag from now on sees "freed"
+            if not state.grace_us:
+                agent.objects.give(state.slot)
+                return
+            slot = state.slot  # reused after the grace
+            agent.linger((), lambda: agent.objects.give(slot), state.grace_us / 1e6, span(obj.nbytes))
+        elif isinstance(state, _Exported):
+            agent.table_np[state.slot] = 0  # a READ of the tag from now on sees "freed"
+            agent.free_table.append(state.slot)
+            if not state.grace_us:
+                agent.unuse(state.regs)
+                return
+            regs = state.regs  # a READ that saw the tag before reads intact memory: kept for the grace
+            agent.linger(obj.tensors, lambda: agent.unuse(regs), state.grace_us / 1e6, state.storage_nbytes)
 
     def fetch(self, request: FetchRequest, dst: Sequence[Any]) -> None:
         """Consumer: one READ of every tensor and of the liveness slot, polled to completion; the
         slot once more after the data if that took longer than half the producer's grace."""
         agent = process_agent()
-        key = (request.handle, request.token, *(t.data_ptr() for t in dst))
+        key = ((request.handle or b"")[-16:], request.token, *(t.data_ptr() for t in dst))  # its HMAC names it
         plan = agent.plans.take(key)  # this object into these buffers before: its READs prepared
         if plan is None:
             plan = self._plan(agent, request, dst, key)
         try:
             self._run(agent, plan, request, dst)
-        except Exception as e:  # a READ still running could overwrite a fallback's bytes: no fallback then
+        except BaseException as e:  # a READ still running could overwrite a fallback's bytes: no fallback then
             final = isinstance(e, (TransferTimeoutError, OwnerDiedError))  # an exited owner sends nothing more
             running = any(agent.running(x) for x in plan.posted)
             agent.plans.failed(plan, list(dst) if running else None)
-            if running and not final:
+            if running and not final and isinstance(e, Exception):
                 raise TransferTimeoutError(f"nixl: a READ was still running when the fetch failed: {e}") from e
             raise
         agent.plans.done(plan)
