@@ -133,6 +133,13 @@ def set_grace(grace_s: float) -> None:
     nixl_agent.GRACE_S = grace_s
 
 
+def set_prepared(on: bool) -> None:
+    """Consumer: keep prepared READs per (object, destination) (off by default: plans.PREPARED)."""
+    from tensorwire.transport.backends.nixl import plans
+
+    plans.PREPARED = on
+
+
 def fetch_freed_midway(ref: tw.Ref, name: str) -> str:
     """Consumer: a fetch into buffer ``name`` whose object is freed at its owner after the READ of
     data and tag and before the tag is read again (with a grace shorter than any READ, it always

@@ -33,14 +33,17 @@ def pair():
 
 
 @pytest.fixture(autouse=True)
-def default_grace(pair):
-    """Each test leaves the producer's grace as it found it, passed or failed."""
+def defaults(pair):
+    """Each test leaves the producer's grace and the consumer's prepared READs (off) as it found
+    them, passed or failed."""
     yield
     pair[0].call(f"{P}:set_grace", 0.02)
+    pair[1].call(f"{P}:set_prepared", False)
 
 
 def test_repeated_fetches_post_prepared_reads_one_plan_per_destination(pair):
     producer, consumer = pair
+    consumer.call(f"{P}:set_prepared", True)
     # larger than a slab slot: read where it lies; a grace no READ here outlasts: one trip each time
     ref = producer.call(f"{P}:put", "repeat", 64 << 10, 1, 600.0)
     expected = producer.call(f"{P}:digest_of", "repeat")
@@ -65,6 +68,7 @@ def test_tag_is_read_with_the_data_within_the_grace_and_after_it_otherwise(pair)
     got = consumer.call(f"{P}:fetch_into", small, ["s"] * 4)
     assert got["digests"] == [producer.call(f"{P}:digest_of", "small")] * 4
     assert got["stats"]["tags_after"] == start.get("tags_after", 0), got["stats"]  # one trip each
+    assert got["stats"]["plans_made"] == start.get("plans_made", 0), got["stats"]  # prepared READs: off by default
     tiny = producer.call(f"{P}:put", "tiny", 4096, 3, 1e-6)  # every trip outlasts half of 1 us
     got = consumer.call(f"{P}:fetch_into", tiny, ["t"] * 4)
     assert got["digests"] == [producer.call(f"{P}:digest_of", "tiny")] * 4
@@ -80,6 +84,7 @@ def test_a_fetch_after_free_is_refused_while_the_memory_lingers(pair, kept):
     producer, consumer = pair
     # larger than a slab slot (read where it lies); its handle promises a 600 s grace
     ref = producer.call(f"{P}:put", f"freed-{kept}", 64 << 10, 5, 600.0)
+    consumer.call(f"{P}:set_prepared", kept)
     if kept:  # this buffer has a kept plan when the object is freed
         assert consumer.call(f"{P}:fetch_into", ref, ["f", "f"])["digests"][0] == producer.call(
             f"{P}:digest_of", f"freed-{kept}"

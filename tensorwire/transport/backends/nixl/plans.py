@@ -8,7 +8,8 @@ tag one, and the tag alone, for a trip longer than half the producer's grace), i
 word and its destination registrations, so a repeated fetch only posts and polls. Plans are
 kept per process (a bounded LRU), one fetch at a time each (a second fetch of the same pair
 meanwhile builds its own READs); one whose destination memory was freed, whose producer was
-forgotten or whose READ failed is retired.
+forgotten or whose READ failed is retired. Keeping plans is off unless :data:`PREPARED` is set
+(see there).
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from tensorwire.errors import TransportError
 if TYPE_CHECKING:
     import threading
 
-__all__ = ["KEPT", "Plan", "Plans", "rows_for"]
+__all__ = ["KEPT", "PREPARED", "Plan", "Plans", "rows_for"]
 
 KEPT = 64  # plans a process keeps (the least recently used go first)
+# Prepared READs are off by default: with them, a consumer of `tensorwire bench`'s process
+# scenarios crashed now and then inside UCX (`ucp_get_nbx`, 3 of 13 runs here; 0 of 8 without);
+# why is not known yet. Every fetch then makes its READs for itself (7 us more at 4 KiB).
+PREPARED = False
 _SEEN = 1024  # (object, destination) pairs remembered as fetched once: the second fetch makes a plan
 
 
@@ -102,7 +107,7 @@ class Plans:
         the plan kept from the pair's second fetch on."""
         agent = self._agent
         with agent.lock:
-            kept = key in self._seen
+            kept = PREPARED and key in self._seen
             if not kept:
                 self._seen[key] = None
                 while len(self._seen) > _SEEN:

@@ -46,6 +46,7 @@ class Slab:
         self._lock = threading.Lock()
         self._free: list[int] = []
         self.buffer: Any = None  # torch uint8 tensor, once made
+        self.array: Any = None  # the same bytes as a numpy array (cheaper to slice)
         self.registration: Any = None  # what ``register`` returned for it
         self.base = 0
         self.failed = ""  # why the block could not be made (then every take is None)
@@ -63,7 +64,8 @@ class Slab:
                     self.failed = f"{type(e).__name__}: {e}"
                     logger.warning("nixl: no slab for small objects (%s); they are read where they lie", self.failed)
                     return None
-                self.buffer, self.base, self._free = buffer, buffer.data_ptr(), list(range(SLOTS - 1, -1, -1))
+                self.buffer, self.array, self.base = buffer, buffer.numpy(), buffer.data_ptr()
+                self._free = list(range(SLOTS - 1, -1, -1))
             return self._free.pop() if self._free else None
 
     def give(self, slot: int) -> None:
@@ -76,7 +78,7 @@ class Slab:
     def word(self, address: int) -> Any:
         """The int64 at ``address`` (in the block) as a one-element array to read and write."""
         offset = address - self.base
-        return self.buffer[offset : offset + 8].numpy().view("<i8")
+        return self.array[offset : offset + 8].view("<i8")
 
     def fill(self, slot: int, tensors: Sequence[Any]) -> list[tuple[int, int]]:
         """Copy host ``tensors`` (contiguous) one after another into ``slot``: their (address, bytes)."""
