@@ -105,13 +105,14 @@ class Plans:
     def make(self, key: tuple, plan: Plan) -> Plan:
         """``plan``'s READs, for a fetch with no kept plan: made for this fetch, or prepared and
         the plan kept from the pair's second fetch on."""
-        agent = self._agent
-        with agent.lock:
-            kept = PREPARED and key in self._seen
-            if not kept:
-                self._seen[key] = None
-                while len(self._seen) > _SEEN:
-                    self._seen.popitem(last=False)
+        agent, kept = self._agent, False
+        if PREPARED:
+            with agent.lock:
+                kept = key in self._seen
+                if not kept:
+                    self._seen[key] = None
+                    while len(self._seen) > _SEEN:
+                        self._seen.popitem(last=False)
         plan.kept, plan.busy = kept, True
         try:
             _build(agent, plan)
