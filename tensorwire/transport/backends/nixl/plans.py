@@ -24,7 +24,7 @@ from tensorwire.errors import TransportError
 if TYPE_CHECKING:
     import threading
 
-__all__ = ["KEPT", "PREPARED", "Plan", "Plans", "rows_for"]
+__all__ = ["KEPT", "PREPARED", "Plan", "Plans", "check_destinations", "rows_for"]
 
 KEPT = 64  # plans a process keeps (the least recently used go first)
 # Prepared READs are off by default: with them, a consumer of `tensorwire bench`'s process
@@ -210,15 +210,21 @@ def _prepared(nixl: Any, plan: Plan, local: tuple[list, str], remote: tuple[list
     return nixl.make_prepped_xfer("READ", ldl, every, rdl, every)
 
 
+def check_destinations(dst: Sequence[Any], rows: Sequence[tuple]) -> None:
+    """Raises ``TransportError`` unless every buffer of ``dst`` is contiguous and as long as its row."""
+    for t, row in zip(dst, rows, strict=True):
+        if t.numel() * t.element_size() != row[1] or (row[1] and not t.is_contiguous()):
+            raise TransportError("nixl: a destination buffer does not match the handle")
+
+
 def rows_for(dst: Sequence[Any], rows: Sequence[tuple]) -> list[tuple[tuple[bool, bool], tuple[list, list]]]:
     """The READ rows of ``dst`` against the handle's ``rows``, by memory kinds (the host group
     always, and last: the tag may join it)."""
+    check_destinations(dst, rows)
     groups: dict[tuple[bool, bool], tuple[list, list]] = {}
     for t, row in zip(dst, rows, strict=True):
         if not row[1]:
             continue
-        if t.numel() * t.element_size() != row[1] or not t.is_contiguous():
-            raise TransportError("nixl: a destination buffer does not match the handle")
         vram = t.device.type == "cuda"
         local, remote = groups.setdefault((vram, bool(row[3])), ([], []))
         local.append((t.data_ptr(), row[1], (t.device.index or 0) if vram else 0))

@@ -40,7 +40,7 @@ from tensorwire.transport.backends.nixl.agent import (
 )
 from tensorwire.transport.backends.nixl.engine import API_MODULES
 from tensorwire.transport.backends.nixl.handles import ROW, Handle, opened
-from tensorwire.transport.backends.nixl.plans import Plan, rows_for
+from tensorwire.transport.backends.nixl.plans import Plan, check_destinations, rows_for
 from tensorwire.transport.backends.nixl.slab import fits, span
 from tensorwire.transport.contract import Capabilities, Diagnosis, FetchRequest, PeerInfo, StoredObject, Transport
 from tensorwire.transport.costs import CostEstimate, CostModel, MemoryKind, Placement
@@ -270,9 +270,7 @@ class NixlTransport(Transport):
         nbytes = sum(row[1] for row in handle.rows)
         if handle.flag_addr != handle.rows[0][0] + span(nbytes) - 8:
             raise TransportError("nixl: a packed handle whose tag does not follow its bytes")
-        for t, row in zip(dst, handle.rows, strict=True):
-            if t.numel() * t.element_size() != row[1] or not t.is_contiguous():
-                raise TransportError("nixl: a destination buffer does not match the handle")
+        check_destinations(dst, handle.rows)
         if any(t.device.type != "cpu" for t in dst) or (slot := agent.landing.take()) is None:
             return None
         local = agent.landing.address(slot)
