@@ -1,10 +1,11 @@
 """The sharded weight-sync benchmark: 2 trainer shards -> 2 inference replicas x TP 2.
 
 A transformer-shaped state (per layer q, k, v, o, gate, up, down and a norm, float32) is held
-half by each of 2 trainer actors (rows, as FSDP does); 4 receiver actors are 2 replicas of 2
-tensor-parallel ranks with fused ``qkv`` / ``gate_up`` (column parallel), row-parallel ``o`` /
-``down`` and replicated norms. Every method leaves the same bytes in the receivers' tensors
-(checked against tensorwire's by checksum after every round):
+half by each of 2 trainer actors (rows, as FSDP does); 4 receiver actors (bfloat16, as inference
+engines hold weights) are 2 replicas of 2 tensor-parallel ranks with fused ``qkv`` / ``gate_up``
+(column parallel), row-parallel ``o`` / ``down`` and replicated norms. Every method leaves the
+same bytes in the receivers' tensors (checked against tensorwire's by checksum after every
+round):
 
 * ``tensorwire WeightSync``: the plan; each receiver reads its bytes from the trainers.
 * ``gather on trainer 0, push whole`` (what most RL frameworks do): the trainers all-gather
@@ -12,6 +13,9 @@ tensor-parallel ranks with fused ``qkv`` / ``gate_up`` (column parallel), row-pa
   its slice.
 * ``Ray object store``: each trainer puts its shard once; every receiver gets both and keeps
   its pieces.
+* ``memcpy: one pass over the plan`` (the bound, not an alternative): in this process, every
+  receiver piece copied from the trainers' values with the conversion on the way, once
+  (torch's copy with its threads): the least any method can do on one node.
 
 One core, two front ends: ``python -m benchmarks.sharded_sync`` and ``tensorwire bench
 --scenarios sharded-sync``.
@@ -43,6 +47,8 @@ def _gather(refs: list[Any]) -> list[Any]:
 
 HIDDEN, FFN = 1024, 2816
 TRAINERS, REPLICAS, TP = 2, 2, 2
+RECEIVER_DTYPE = torch.bfloat16
+ONE_PASS = "memcpy: one pass over the plan (read + convert)"
 _PARTS = {
     "q": (HIDDEN, HIDDEN),
     "k": (HIDDEN, HIDDEN),
@@ -110,17 +116,50 @@ def mapping(model: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], dict[str
     return rename, fuse
 
 
+def held_pieces(entries: dict[str, tuple], seed: int | None, dtype: torch.dtype = RECEIVER_DTYPE) -> dict[str, Sharded]:
+    """A rank's pieces: a trainer's (``seed``: random float32) or a receiver's (zeros of ``dtype``)."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    pieces = {}
+    for name, (shape, placements, mesh, coord, local) in entries.items():
+        size = local or placement_box(shape, placements, mesh, coord).sizes
+        tensor = torch.randn(size, generator=gen) if seed is not None else torch.zeros(size, dtype=dtype)
+        pieces[name] = Sharded.of(tensor, placements, mesh, coord, shape)
+    return pieces
+
+
+class OnePass:
+    """The bound: every receiver's pieces copied once from the trainers' values, converted on
+    the way, in this process."""
+
+    def __init__(self, model: dict[str, tuple[int, ...]], coords: list[tuple[int, int]], dtype: torch.dtype) -> None:
+        self.sources = [
+            {n: p.tensor for n, p in held_pieces(trainer_entries(r, model), r + 1).items()} for r in range(TRAINERS)
+        ]
+        self.targets = [
+            {n: p.tensor for n, p in held_pieces(receiver_entries(c, model), None, dtype).items()} for c in coords
+        ]
+        self.cuts: dict[int, list[tuple[Any, ...]]] = {}
+
+    def run(self) -> None:
+        for r, cuts in self.cuts.items():
+            for trainer, source, src, target, dst in cuts:
+                self.targets[r][target][dst].copy_(self.sources[trainer][source][src])
+
+    def clear(self) -> None:
+        for target in self.targets:
+            for tensor in target.values():
+                tensor.zero_()
+
+    def digests(self) -> list[int]:
+        return [checksum(list(target.values())) for target in self.targets]
+
+
 @tw.remote(num_cpus=0)
 class ShardedRank:
     """A trainer rank (its half of every parameter) or a receiver rank (zeros of its layout)."""
 
-    def __init__(self, entries: dict[str, tuple], seed: int | None) -> None:
-        gen = torch.Generator().manual_seed(seed or 0)
-        self.pieces: dict[str, Sharded] = {}
-        for name, (shape, placements, mesh, coord, local) in entries.items():
-            size = local or placement_box(shape, placements, mesh, coord).sizes
-            tensor = torch.randn(size, generator=gen) if seed is not None else torch.zeros(size)
-            self.pieces[name] = Sharded.of(tensor, placements, mesh, coord, shape)
+    def __init__(self, entries: dict[str, tuple], seed: int | None, dtype: torch.dtype = RECEIVER_DTYPE) -> None:
+        self.pieces = held_pieces(entries, seed, dtype)
         self._cuts: list[tuple[Any, ...]] = []
         self._pool: dict[tuple[int, ...], torch.Tensor] = {}
 
@@ -155,7 +194,7 @@ class ShardedRank:
                 continue
             full = self._pool.get(shape)
             if full is None:
-                full = self._pool[shape] = torch.empty(shape)
+                full = self._pool[shape] = torch.empty(shape)  # float32, as the trainers send it
             push.broadcast(full, 0)
             for _t, _source, src, target, dst in by_source.get(name, ()):
                 self.pieces[target].tensor[dst].copy_(full[src])
@@ -173,11 +212,15 @@ class ShardedRank:
 class Bench:
     """The actors, groups and sync of one run, and its methods (call :meth:`close`)."""
 
-    def __init__(self, nbytes: int, *, bucket_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self, nbytes: int, *, bucket_bytes: int = 64 << 20, receiver_dtype: torch.dtype = RECEIVER_DTYPE
+    ) -> None:
         self.model = shapes(nbytes)
         self.coords = [(r, t) for r in range(REPLICAS) for t in range(TP)]
         self.trainers = [ShardedRank.remote(trainer_entries(r, self.model), seed=r + 1) for r in range(TRAINERS)]
-        self.receivers = [ShardedRank.remote(receiver_entries(c, self.model), seed=None) for c in self.coords]
+        self.receivers = [
+            ShardedRank.remote(receiver_entries(c, self.model), seed=None, dtype=receiver_dtype) for c in self.coords
+        ]
         rename, fuse = mapping(self.model)
         self.sync = tw.WeightSync(
             self.trainers, self.receivers, rename=rename, fuse=fuse, bucket_bytes=bucket_bytes, progress=False
@@ -190,6 +233,8 @@ class Bench:
             [self._whole_layout()], [layouts[i] for i in range(len(self.receivers))], self.sync.plan.mapping
         )
         self._whole_cuts = self._cuts(whole)
+        self.one_pass = OnePass(self.model, self.coords, receiver_dtype)
+        self.one_pass.cuts = self._object_cuts
         self.expected: list[int] = []
 
     def _whole_layout(self) -> list[Any]:
@@ -217,6 +262,7 @@ class Bench:
                 (0, -1): full // 2,
             },
             "Ray object store": {(t, r): full // TRAINERS for t in range(TRAINERS) for r in range(n)},
+            ONE_PASS: {},  # in one process: nothing moves between processes
         }
 
     def methods(self) -> dict[str, tuple[Callable[[], None], bool]]:
@@ -241,15 +287,21 @@ class Bench:
             "tensorwire WeightSync": (push, False),
             "gather on trainer 0, push whole": (gather, True),
             "Ray object store": (store, True),
+            ONE_PASS: (self.one_pass.run, True),
         }
 
     def prepare(self, method: str) -> None:
+        if method == ONE_PASS:
+            self.one_pass.clear()
+            return
         cuts = self._whole_cuts if method.startswith("gather") else self._object_cuts
         _gather([r.set_cuts.remote(cuts[i]) for i, r in enumerate(self.receivers)])
         _gather([r.clear.remote() for r in self.receivers])
 
-    def right(self) -> bool:
-        """Every receiver holds what tensorwire's first push left there."""
+    def right(self, method: str) -> bool:
+        """Every receiver (or the one pass's targets) holds what tensorwire's first push left there."""
+        if method == ONE_PASS:
+            return not self.expected or self.one_pass.digests() == self.expected
         got = _gather([r.digest.remote() for r in self.receivers])
         if not self.expected:
             self.expected = got
@@ -273,7 +325,7 @@ def measure(bench: Bench, rounds: int, log: Callable[[str], None] = lambda _s: N
             start = time.perf_counter()
             methods[name][0]()
             elapsed = time.perf_counter() - start
-            if not bench.right():
+            if not bench.right(name):
                 raise RuntimeError(f"{name}: the receivers hold other bytes than tensorwire's push left")
             if index:
                 samples[name].append(elapsed)
@@ -307,7 +359,7 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
                         peers=len(bench.receivers),
                         rate=plan_bytes / statistics.median(times) / 1e9,
                         transport="" if method != "tensorwire WeightSync" else "auto",
-                        reason="2 trainer halves -> 2 replicas x TP 2",
+                        reason="2 fp32 trainer halves -> 2 bf16 replicas x TP 2",
                     )
                 )
                 progress.step(f"sharded-sync {method}")

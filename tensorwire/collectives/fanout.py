@@ -1,17 +1,24 @@
 """Serving one weight-sync stream: a sender's buckets to its readers, at most two at a time.
 
 A *stream* is what one server (a trainer, or a receiver relaying to its node) sends the same
-way to one or more readers. For bucket k the server packs the bucket's pieces into slot
-k % 2 of its staging ring for the readers on its node, where a transport offers staging rings
-(``Capabilities.staging_rings``: shm; one copy, with the dtype conversion on the way), or
-publishes them as an announced object of its agent for the others (whichever transport the
-selector picks per pair reads them; it exports for readers on other nodes too when a
-one-sided transport serves them there); it packs bucket k+1 while they copy bucket k and
-reuses a slot only after every reader acknowledged it.
+way to one or more readers. For bucket k the server publishes the bucket's pieces as an
+announced object of its agent (whichever transport the selector picks per pair reads them; it
+exports for readers on other nodes too when a one-sided transport serves them there). Pieces
+that are contiguous in the wire dtype are published as they are, views of the server's own
+tensors, so that readers read them in place; the others (strided, or converted to another
+dtype) are gathered into slot k % 2 of a staging pool the stream keeps (on their device), with
+the conversion on the way. For host buckets and readers on its node, the server packs the
+bucket into slot k % 2 of a staging ring they keep mapped (``Capabilities.staging_rings``)
+instead, except the pieces that can be read in place when the staging transport says that
+costs these readers less (``reads_in_place(readers)``: shm's direct reads against one packing
+copy and a memcpy per reader); ``TENSORWIRE_SYNC_READS`` = ``in-place`` / ``ring`` overrides
+that choice. It prepares bucket k+1 while they copy bucket k and reuses a slot only after
+every reader acknowledged it.
 
 Messages (``<stream prefix>b<k>``): a kind byte (:class:`BucketKind`), a checksum, a payload.
 ``RING``: the bucket is in the sender's staging slot (payload: slot size, segment name);
-``OBJECT``: an announced object (its announcement); ``ABORT``: the sender aborted (why). A
+``OBJECT``: an announced object (its announcement); ``MIXED``: both, a flag per piece saying
+which (:func:`mixed_payload`); ``ABORT``: the sender aborted (why). A
 reader answers ``b<k>/ack``: empty, or why it failed (the server then drops it).
 """
 
@@ -20,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import os
 import struct
 import time
 import warnings
@@ -37,14 +45,17 @@ from tensorwire.transport.packing import byte_view, packed_layout
 __all__ = ["BucketKind", "Fanout", "checksum", "message", "parse_message", "read_slot", "release", "serving"]
 
 IN_FLIGHT = 2  # buckets published at once by a server (double buffering)
+READS_ENV = "TENSORWIRE_SYNC_READS"  # auto (default), in-place or ring: how same-node readers read host pieces
 HEADER = struct.Struct("<cQ")
 SLOT = struct.Struct("<Q")
+_MIXED = struct.Struct("<II")  # ring payload bytes, pieces (then the ring payload, a byte per piece, the announcement)
 _MASK = (1 << 64) - 1
 
 # A bucket's pieces on the sending side: (a view of the sender's tensor, the dtype to send as).
 Piece = tuple[torch.Tensor, torch.dtype]
 
 _rings: dict[tuple[str, int, int], Any] = {}  # a staging transport's rings (Transport.staging_ring)
+_pools: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # per stream: a buffer per slot (staged pieces)
 _readers: dict[str, tuple[str, Any]] = {}  # sync id -> (its transport, a ring reader)
 
 
@@ -53,6 +64,7 @@ class BucketKind(bytes, enum.Enum):
 
     RING = b"R"  # in the sender's staging slot
     OBJECT = b"O"  # an announced object of the sender's agent
+    MIXED = b"M"  # some pieces in the staging slot, the others (read in place) an announced object
     ABORT = b"A"  # the sender aborted: this bucket and later ones will not come
 
 
@@ -72,6 +84,20 @@ def parse_message(data: bytes, what: str) -> tuple[BucketKind, int, bytes]:
             f"expected one of {', '.join(k.value.decode() for k in BucketKind)})"
         ) from None
     return kind, check, data[HEADER.size :]
+
+
+def mixed_payload(in_place_mask: Sequence[bool], ring_payload: bytes, announcement: bytes) -> bytes:
+    """A ``MIXED`` bucket's payload: which pieces are read in place (from ``announcement``,
+    in order) and which from the ring slot ``ring_payload`` names."""
+    flags = bytes(int(bool(m)) for m in in_place_mask)
+    return _MIXED.pack(len(ring_payload), len(flags)) + ring_payload + flags + announcement
+
+
+def parse_mixed(payload: bytes) -> tuple[list[bool], bytes, bytes]:
+    """(in-place mask, ring payload, announcement) of a ``MIXED`` payload."""
+    ring_nbytes, count = _MIXED.unpack_from(payload)
+    at = _MIXED.size + ring_nbytes
+    return [bool(b) for b in payload[at : at + count]], payload[_MIXED.size : at], payload[at + count :]
 
 
 def checksum(tensors: Sequence[torch.Tensor]) -> int:
@@ -101,6 +127,31 @@ def as_wire(piece: Piece) -> torch.Tensor:
 
 def _direct(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     return tensor.dtype == dtype and not tensor.is_cuda and tensor.is_contiguous()
+
+
+def in_place(view: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a piece can be published as it is: contiguous, already in its wire dtype."""
+    return view.dtype == dtype and view.is_contiguous()
+
+
+def stage(pieces: Sequence[Piece], pool: list[torch.Tensor], slot: int) -> list[torch.Tensor]:
+    """Pieces (on one device) as tensors to publish: views of the sender's tensors where
+    they can be read in place, else copies (gathered, converted) into ``pool[slot]``, which
+    grows to the largest need, follows the pieces' device and is reused."""
+    staged = [i for i, (view, dtype) in enumerate(pieces) if not in_place(view, dtype)]
+    if not staged:
+        return [view for view, _dtype in pieces]
+    offsets, total = packed_layout(pieces[i][0].numel() * pieces[i][1].itemsize for i in staged)
+    device = pieces[staged[0]][0].device
+    if pool[slot].numel() < total or pool[slot].device != device:
+        pool[slot] = torch.empty(total, dtype=torch.uint8, device=device)
+    result = [view for view, _dtype in pieces]
+    for i, offset in zip(staged, offsets, strict=True):
+        view, dtype = pieces[i]
+        target = pool[slot][offset : offset + view.numel() * dtype.itemsize].view(dtype).view(view.shape)
+        target.copy_(view)
+        result[i] = target
+    return result
 
 
 def write_slot(array: np.ndarray, pieces: Sequence[Piece]) -> None:
@@ -156,6 +207,8 @@ def release(sync_id: str) -> None:
     """Drop the staging rings and ring mappings of sync ``sync_id`` in this process."""
     for key in [key for key in _rings if key[0] == sync_id]:
         _rings.pop(key).close()
+    for key in [key for key in _pools if key[0] == sync_id]:
+        del _pools[key]
     found = _readers.pop(sync_id, None)
     if found is not None:
         found[1].close()
@@ -183,6 +236,7 @@ class Fanout:
         self.peak_nbytes = 0
         self.pack_s = 0.0
         self.sent_nbytes = 0  # bytes handed on (once per reader)
+        self.in_place_nbytes = 0  # of those, bytes readers read straight out of the server's tensors
         self.prefix = f"s{stream}/"
         self._key = (sync_id, channel.rank, stream)
         self._slot_nbytes = slot_nbytes
@@ -190,8 +244,11 @@ class Fanout:
         self._staging = runtime_agent().staging()  # a transport with same-node staging rings (shm)
         use_ring = self._staging is not None and transport in ("", self._staging.name)
         self._local = {c for c in children if use_ring and channel.members[c].peer.same_node(me)}
+        self._reads = os.environ.get(READS_ENV, "auto").strip() or "auto"
+        if self._reads not in ("auto", "in-place", "ring"):
+            raise ValueError(f"{READS_ENV}={self._reads!r}: expected auto, in-place or ring")
         self.offered = 0  # buckets handed on so far: the children wait for this one next
-        self._outstanding: collections.deque[tuple[int, Any, list[int], int]] = collections.deque()
+        self._outstanding: collections.deque[tuple[int, list[Any], list[int], int]] = collections.deque()
         self._on_done = on_done  # called with k once every child acknowledged bucket k (or none was left)
 
     def _ring(self) -> Any:
@@ -201,6 +258,30 @@ class Fanout:
                 ring.close()
             ring = _rings[self._key] = self._staging.staging_ring(self._slot_nbytes)
         return ring
+
+    def _pool(self) -> list[torch.Tensor]:
+        pool = _pools.get(self._key)
+        if pool is None:
+            pool = _pools[self._key] = [torch.empty(0, dtype=torch.uint8) for _ in range(IN_FLIGHT)]
+        return pool
+
+    def _in_place_mask(self, pieces: Sequence[Piece], readers: int) -> list[bool]:
+        """Per piece of a host bucket, whether this node's ``readers`` read it in place (the
+        others come through the ring): the pieces that can be, where that costs them less."""
+        if self._reads == "ring" or (self._reads == "auto" and not self._staging.reads_in_place(readers)):
+            return [False] * len(pieces)
+        return [in_place(v, d) for v, d in pieces]
+
+    def _publish(self, pieces: Sequence[Piece], readers: Sequence[int], k: int) -> tuple[Any, bytes, int]:
+        """Publish pieces for ``readers`` as an announced object, staging only what cannot be
+        read in place: (descriptor, announcement, bytes its exports hold)."""
+        me = self.channel.members[self.channel.rank].node_id
+        same_node = any(self.channel.members[c].node_id == me for c in readers)
+        other_node = any(self.channel.members[c].node_id != me for c in readers)
+        export = same_node or (other_node and self._exports_across_nodes)  # one-sided handles (nixl)
+        one_device = len({v.device for v, _ in pieces}) <= 1
+        tensors = stage(pieces, self._pool(), k % IN_FLIGHT) if one_device else [as_wire(p) for p in pieces]
+        return self.channel.publish(tensors, export=export)
 
     def offer(self, k: int, pieces: Sequence[Piece], check: int) -> None:
         """Hand bucket ``k`` on (waits while two older buckets are not acknowledged)."""
@@ -213,25 +294,40 @@ class Fanout:
         start = time.perf_counter()
         host = all(v.device.type == "cpu" for v, _ in pieces)
         ring_readers = [c for c in self.live if c in self._local] if host else []
+        mask = self._in_place_mask(pieces, len(ring_readers)) if ring_readers else []
+        if all(mask):  # (also when there are no ring readers)
+            ring_readers = []
         object_readers = [c for c in self.live if c not in ring_readers]
         messages_to: dict[int, bytes] = {}
+        descs: list[Any] = []
         exported = 0
         if ring_readers:
+            ringed = [p for p, m in zip(pieces, mask, strict=True) if not m]
             ring = self._ring()
-            slot = k % IN_FLIGHT
-            write_slot(ring.arrays[slot], pieces)
-            payload = SLOT.pack(ring.slot_nbytes) + ring.names[slot].encode()
-            messages_to.update(dict.fromkeys(ring_readers, message(BucketKind.RING, check, payload)))
-        desc = None
+            write_slot(ring.arrays[k % IN_FLIGHT], ringed)
+            payload = SLOT.pack(ring.slot_nbytes) + ring.names[k % IN_FLIGHT].encode()
+            if any(mask):  # the pieces contiguous in their wire dtype are read in place
+                read_in_place = [p for p, m in zip(pieces, mask, strict=True) if m]
+                desc, announcement, nbytes = self._publish(read_in_place, ring_readers, k)
+                descs.append(desc)
+                exported += nbytes
+                note = message(BucketKind.MIXED, check, mixed_payload(mask, payload, announcement))
+            else:
+                note = message(BucketKind.RING, check, payload)
+            messages_to.update(dict.fromkeys(ring_readers, note))
         if object_readers:
-            me = self.channel.members[self.channel.rank].node_id
-            same_node = any(self.channel.members[c].node_id == me for c in object_readers)
-            other_node = any(self.channel.members[c].node_id != me for c in object_readers)
-            export = same_node or (other_node and self._exports_across_nodes)  # one-sided handles (nixl)
-            desc, announcement, exported = self.channel.publish([as_wire(p) for p in pieces], export=export)
+            desc, announcement, nbytes = self._publish(pieces, object_readers, k)
+            descs.append(desc)
+            exported += nbytes
             messages_to.update(dict.fromkeys(object_readers, message(BucketKind.OBJECT, check, announcement)))
         self.pack_s += time.perf_counter() - start
-        nbytes = sum(v.numel() * d.itemsize for v, d in pieces)
+        sizes = [v.numel() * d.itemsize for v, d in pieces]
+        nbytes = sum(sizes)
+        unstaged = {  # per reader: the bytes it reads straight out of the server's tensors
+            c: sum(n for n, (v, d) in zip(sizes, pieces, strict=True) if in_place(v, d)) for c in object_readers
+        }
+        if ring_readers:
+            unstaged.update(dict.fromkeys(ring_readers, sum(n for n, m in zip(sizes, mask, strict=True) if m)))
         posts = {c: self.channel.post(c, f"{self.prefix}b{k}", m) for c, m in messages_to.items()}
         sent = []
         for child, wait in posts.items():
@@ -239,11 +335,13 @@ class Fanout:
                 wait()
                 sent.append(child)
                 self.sent_nbytes += nbytes
+                self.in_place_nbytes += unstaged[child]
             except TensorwireError as e:
                 self._fail(child, f"could not be told of bucket {k}: {e}")
-        self._outstanding.append((k, desc, sent, exported))
+        self._outstanding.append((k, descs, sent, exported))
         ring = _rings.get(self._key)
         staged = sum(entry[3] for entry in self._outstanding) + (ring.nbytes if ring is not None else 0)
+        staged += sum(buffer.numel() for buffer in _pools.get(self._key, ()))
         self.peak_nbytes = max(self.peak_nbytes, staged)
 
     def _fail(self, child: int, reason: str) -> None:
@@ -252,7 +350,7 @@ class Fanout:
             self.live.remove(child)
 
     def _settle_oldest(self) -> None:
-        k, desc, sent, _nbytes = self._outstanding.popleft()
+        k, descs, sent, _nbytes = self._outstanding.popleft()
         try:
             for child in sent:
                 if child not in self.live:
@@ -265,7 +363,7 @@ class Fanout:
                 if answer:
                     self._fail(child, answer.decode(errors="replace"))
         finally:
-            if desc is not None:
+            for desc in descs:
                 self.channel.unpublish(desc)
         self._on_done(k)
 
@@ -282,8 +380,7 @@ class Fanout:
 
     def abandon(self) -> None:
         while self._outstanding:
-            desc = self._outstanding.popleft()[1]
-            if desc is not None:
+            for desc in self._outstanding.popleft()[1]:
                 self.channel.unpublish(desc)
 
 

@@ -29,6 +29,7 @@ from tensorwire.collectives.fanout import (
     Piece,
     checksum,
     parse_message,
+    parse_mixed,
     read_slot,
     ring_reader,
     serving,
@@ -48,6 +49,7 @@ __all__ = [
     "Role",
     "SendResult",
     "assign_roles",
+    "set_fault_point",
     "weight_fence",
     "weight_version",
 ]
@@ -58,6 +60,20 @@ _versions_lock = threading.Lock()
 _shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> atomic shadow or fp8 staging
 _specs: dict[bytes, PushSpec] = {}  # the last spec the driver sent (serialised -> loaded)
 _prepared: dict[int, tuple[Any, Any]] = {}  # id(part of a spec) -> (that part, what was computed from it)
+_fault_point: list[Callable[[str, int], None]] = []  # set_fault_point's hook, if any
+
+
+def set_fault_point(hook: Callable[[str, int], None] | None) -> None:
+    """Inside a weight-sync member, for fault-injection tests: ``hook(role, k)`` runs each time
+    this process has handled bucket level ``k`` of a push (role ``"trainer"``: offered it to
+    every stream; ``"receiver"``: took it in), e.g. to kill the process at a named point
+    instead of after a guessed delay. ``None`` removes it."""
+    _fault_point[:] = [hook] if hook is not None else []
+
+
+def _at_fault_point(role: str, k: int) -> None:
+    for hook in _fault_point:
+        hook(role, k)
 
 
 def weight_version(name: str = "weights") -> int:
@@ -228,6 +244,7 @@ def send(actor: object, spec: PushSpec | bytes, version: int | None = None, chan
                     check = checksum([_wire(p) for p in pieces]) if spec.verify else 0
                     checksum_s += time.perf_counter() - check_start
                     fanouts[role.stream].offer(k, pieces, check)
+                _at_fault_point("trainer", k)
     finally:
         channel.close()
     failed: dict[int, str] = {}
@@ -240,6 +257,7 @@ def send(actor: object, spec: PushSpec | bytes, version: int | None = None, chan
         seconds=time.perf_counter() - start,
         failed=failed,
         sent_nbytes=sum(f.sent_nbytes for f in fanouts.values()),
+        in_place_nbytes=sum(f.in_place_nbytes for f in fanouts.values()),
         peak_nbytes=sum(f.peak_nbytes for f in fanouts.values()),
     )
 
@@ -271,18 +289,42 @@ def _take(
     views: list[torch.Tensor],
     dtypes: list[torch.dtype],
 ) -> tuple[str, float, list[torch.Tensor]]:
-    """Copy one bucket into ``views``: from the sender's staging slot or as an announced
-    object. Returns the transport, the seconds spent on strided or converted copies, and the
-    bucket's tensors as sent (to relay)."""
+    """Copy one bucket into ``views``: from the sender's staging slot, as an announced object
+    (read in place), or some pieces each way. Returns the transport, the seconds spent on
+    strided or converted copies, and the bucket's tensors as sent (to relay)."""
     kind, payload = bucket
     if kind is BucketKind.RING:
-        (slot_nbytes,) = SLOT.unpack_from(payload)
-        transport, reader = ring_reader(spec.sync_id)
-        array = reader.mapped(payload[SLOT.size :].decode(), slot_nbytes)
-        return transport, read_slot(array, views, dtypes), views
+        transport, slow_s = _take_ring(spec, payload, views, dtypes)
+        return transport, slow_s, views
+    if kind is BucketKind.OBJECT:
+        return _take_object(channel, spec, payload, views, dtypes)
+    mask, ring_payload, announcement = parse_mixed(payload)
+    if len(mask) != len(views):
+        raise TensorwireError(f"a mixed bucket of {len(mask)} pieces, expected {len(views)}")
+    ringed = [i for i, m in enumerate(mask) if not m]
+    direct = [i for i, m in enumerate(mask) if m]
+    _ring, ring_slow_s = _take_ring(spec, ring_payload, [views[i] for i in ringed], [dtypes[i] for i in ringed])
+    transport, slow_s, _sent = _take_object(
+        channel, spec, announcement, [views[i] for i in direct], [dtypes[i] for i in direct]
+    )
+    return transport, ring_slow_s + slow_s, views
+
+
+def _take_ring(
+    spec: PushSpec, payload: bytes, views: list[torch.Tensor], dtypes: list[torch.dtype]
+) -> tuple[str, float]:
+    (slot_nbytes,) = SLOT.unpack_from(payload)
+    transport, reader = ring_reader(spec.sync_id)
+    array = reader.mapped(payload[SLOT.size :].decode(), slot_nbytes)
+    return transport, read_slot(array, views, dtypes)
+
+
+def _take_object(
+    channel: Channel, spec: PushSpec, announcement: bytes, views: list[torch.Tensor], dtypes: list[torch.dtype]
+) -> tuple[str, float, list[torch.Tensor]]:
     direct = [v.dtype == d and v.is_contiguous() for v, d in zip(views, dtypes, strict=True)]
     fetched = channel.fetch(
-        payload,
+        announcement,
         [v if ok else None for v, ok in zip(views, direct, strict=True)],
         transport=spec.transport,
         targets=[v.device for v in views],
@@ -399,6 +441,7 @@ def receive(
                             fanouts[role.stream].offer(k, [(t, t.dtype) for t in sent], expected)
                     while len(acks) > len(spec.roles):
                         acks.pop(0)()
+                    _at_fault_point("receiver", k)
                 for ack in acks:
                     ack()
                 _quantise(spec, targets, dsts)

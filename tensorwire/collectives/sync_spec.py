@@ -79,6 +79,7 @@ class SendResult:
         seconds: Wall time of its part of the push.
         failed: Child rank -> why it was dropped from a stream.
         sent_nbytes: Bytes handed on (once per reader).
+        in_place_nbytes: Of those, bytes its readers read straight out of its tensors (no staging copy).
         peak_nbytes: Most bytes it had staged at once.
     """
 
@@ -88,6 +89,7 @@ class SendResult:
     seconds: float
     failed: dict[int, str] = field(default_factory=dict)
     sent_nbytes: int = 0
+    in_place_nbytes: int = 0
     peak_nbytes: int = 0
 
 

@@ -77,6 +77,8 @@ class SyncReport:
         receivers: Receiver id -> its :class:`ReceiveResult` (times, transports, bytes).
         failed: Receiver id -> why it does not hold this version.
         peak_staging_nbytes: Most bytes any trainer had staged at once (about two buckets per stream).
+        in_place_nbytes: Bytes the receivers read straight out of the trainers' tensors (no staging
+            copy on the trainer; the rest was packed or converted into staging first).
         moved_nbytes: Bytes the receivers that completed took in.
         plan_nbytes: The plan's bytes for those receivers (what a push must move, and no more).
     """
@@ -92,6 +94,7 @@ class SyncReport:
     receivers: dict[int, ReceiveResult] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     peak_staging_nbytes: int = 0
+    in_place_nbytes: int = 0
     moved_nbytes: int = 0
     plan_nbytes: int = 0
 
@@ -382,6 +385,7 @@ class WeightSync:
                 raise outcome.error
             report.pack_s = max(report.pack_s, outcome.value.pack_s)
             report.peak_staging_nbytes = max(report.peak_staging_nbytes, outcome.value.peak_nbytes)
+            report.in_place_nbytes += outcome.value.in_place_nbytes
         return report
 
     def _wait(self, refs: list[Any], channel: str, roles: dict[int, tuple[Role, ...]], buckets: int) -> None:

@@ -22,7 +22,8 @@ every transport          ``fetch`` (consumer), ``release`` (producer, may be a n
 ``peer_setup``           ``connection_info`` (any process) and ``load_peer``
                          (consumer, once per producer, before its first fetch from it)
 ``carries_value``        ``export`` (producer; the handle holds the bytes themselves)
-``staging_rings``        ``staging_ring`` (writer) and ``ring_reader`` (readers)
+``staging_rings``        ``staging_ring`` (writer) and ``ring_reader`` (readers);
+                         optionally ``reads_in_place`` (writer)
 =======================  ==========================================================
 
 A transport also declares its default :class:`CostModel` (``cost_model``); the selector ranks
@@ -364,6 +365,13 @@ class Transport(ABC):
         ``.mapped(name, slot_nbytes)`` (a flat uint8 numpy array), ``.close()``. Only for
         ``staging_rings``."""
         raise TransportUnavailableError(f"transport {self.name!r} offers no staging rings")
+
+    def reads_in_place(self, readers: int) -> bool:
+        """Writer (a weight-sync server): whether ``readers`` readers on this node cost less
+        reading an exported host object straight out of the producer's tensors (no copy at
+        export) than copying it out of a staging ring the writer packed it into. Then the
+        server publishes its tensors' views instead. Only for ``staging_rings``."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Any process, at agent shutdown: release process-wide resources."""

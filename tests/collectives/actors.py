@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 import zlib
 
@@ -75,6 +76,17 @@ class Member:
         return None, "", time.monotonic() - start
 
 
+def die_at(role: str, k: int) -> None:
+    """In a weight-sync member: SIGKILL this process once it has handled bucket level ``k``
+    of a push as ``role`` ("trainer" or "receiver")."""
+
+    def hook(at_role: str, at_k: int) -> None:
+        if (at_role, at_k) == (role, k):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    tw.collective.set_fault_point(hook)
+
+
 @tw.remote(num_cpus=0)
 class Holder:
     """Trainer or receiver of weight-sync tests: a dict of tensors (``weights``)."""
@@ -90,6 +102,9 @@ class Holder:
 
     def sizes(self) -> list[int]:
         return [t.numel() * t.element_size() for t in self.weights.values()]
+
+    def die_at(self, role: str, k: int) -> None:
+        die_at(role, k)
 
     def data_ptrs(self) -> list[int]:
         return [t.data_ptr() for t in self.weights.values()]
@@ -188,6 +203,9 @@ class Pieces:
     def data_ptrs(self) -> list[int]:
         return [piece.tensor.data_ptr() for piece in self.pieces.values()]
 
+    def die_at(self, role: str, k: int) -> None:
+        die_at(role, k)
+
     def become(self, version: int) -> None:
         """A training step: every piece becomes its part of ``full_tensor(..., version)``, in place."""
         from tensorwire.collectives.layout import placement_box
@@ -232,15 +250,6 @@ class Pieces:
 
     def version(self, name: str = "weights") -> int:
         return tw.collective.weight_version(name)
-
-
-def marked_slowly(path: str, _name: str, piece: torch.Tensor) -> torch.Tensor:
-    """A trainer transform for failure tests: marks ``path`` when the push reaches the trainer,
-    and keeps every piece 20 ms so that the push is still running when the test acts."""
-    with open(path, "a") as f:
-        f.write(".")
-    time.sleep(0.02)
-    return piece
 
 
 @tw.remote(num_cpus=0)

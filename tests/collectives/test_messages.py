@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from tensorwire.collectives.fanout import BucketKind, message, parse_message
+from tensorwire.collectives.fanout import BucketKind, message, mixed_payload, parse_message, parse_mixed
 from tensorwire.errors import TensorwireError
 
 
 def test_every_kind_round_trips_with_its_checksum_and_payload():
     for kind in BucketKind:
         assert parse_message(message(kind, 2**64 - 1, b"payload"), "bucket 0") == (kind, 2**64 - 1, b"payload")
-    assert [k.value for k in BucketKind] == [b"R", b"O", b"A"]  # the wire bytes stay what they were
+    assert [k.value for k in BucketKind] == [b"R", b"O", b"M", b"A"]  # the wire bytes stay what they were
+
+
+def test_a_mixed_payload_says_which_pieces_come_from_where():
+    ring, announcement = b"\x00" * 8 + b"slot-name", b"announced object"
+    payload = mixed_payload([True, False, False, True], ring, announcement)
+    assert parse_mixed(payload) == ([True, False, False, True], ring, announcement)
+    assert parse_mixed(mixed_payload([], b"", b"x")) == ([], b"", b"x")
 
 
 @pytest.mark.parametrize("data", [b"", b"R", b"X" + bytes(8), b"r" + bytes(8)])

@@ -69,3 +69,28 @@ def test_misuse_is_refused(ring):
         reader.read(f"{path}|{key}|{'00' * 16}", 16, [torch.zeros(4)])
     with pytest.raises(TransportError, match="no such segment"):
         reader.read(f"{path}|{'00' * 16}|{token}", 16, [torch.zeros(4)])
+
+
+def test_in_place_staging_publishes_contiguous_pieces_as_they_are_and_pools_the_rest():
+    from tensorwire.collectives.fanout import IN_FLIGHT, stage
+
+    weight = torch.randn(64, 32)
+    bias = torch.randn(32)
+    pieces = [
+        (weight[8:16], torch.float32),  # rows: contiguous, same dtype -> the trainer's own memory
+        (weight[:, :16], torch.float32),  # columns: strided -> gathered into the pool
+        (bias, torch.bfloat16),  # converted on the way into the pool
+    ]
+    pool = [torch.empty(0, dtype=torch.uint8) for _ in range(IN_FLIGHT)]
+    out = stage(pieces, pool, 1)
+    assert out[0].data_ptr() == weight[8:16].data_ptr() and pool[0].numel() == 0
+    assert torch.equal(out[1], weight[:, :16]) and out[1].is_contiguous()
+    assert out[2].dtype == torch.bfloat16 and torch.equal(out[2], bias.to(torch.bfloat16))
+    pooled = pool[1].data_ptr()
+    assert {out[1].data_ptr(), out[2].data_ptr()} <= set(range(pooled, pooled + pool[1].numel()))
+    weight.add_(1)  # the next bucket in the same slot reuses the buffer
+    again = stage(pieces, pool, 1)
+    assert pool[1].data_ptr() == pooled and torch.equal(again[1], weight[:, :16])
+    assert stage([(weight[:, :16], torch.float32)], pool, 1)[0].data_ptr() == pooled
+    stage([(torch.randn(128, 64).t(), torch.float32)], pool, 1)  # a larger need grows the buffer
+    assert pool[1].numel() >= 128 * 64 * 4

@@ -58,6 +58,20 @@ def test_the_staging_transport_offers_rings_its_readers_map(agent):
         ring.close()
 
 
+def test_reads_in_place_weighs_direct_reads_against_the_ring(agent, monkeypatch):
+    from tensorwire.transport.backends.shm import cma
+
+    staging = agent.staging()
+    speed = cma.speed_vs_memcpy()
+    assert 0 < speed < 10  # measured: process_vm_readv's speed as a share of memcpy's
+    monkeypatch.setattr(cma, "_speed", [0.5])  # a VM where page pinning traps: never in place
+    assert [staging.reads_in_place(n) for n in (1, 2, 8)] == [False, False, False]
+    monkeypatch.setattr(cma, "_speed", [0.8])  # in place for up to 3 readers (n < 0.8 (n + 1))
+    assert [staging.reads_in_place(n) for n in (1, 3, 4)] == [cma.enabled(), cma.enabled(), False]
+    monkeypatch.setenv("TENSORWIRE_SHM_DIRECT", "0")
+    assert not staging.reads_in_place(1)  # no direct reads: the ring
+
+
 def test_export_nbytes_counts_a_segment_only_once_made(agent, worker):
     value = torch.randn(64 << 10)
     ref = tw.put(value)

@@ -164,6 +164,13 @@ class ShmTransport(Transport):
         """Reader on the writer's node: keeps its mappings of ring slots until closed."""
         return RingReader()
 
+    def reads_in_place(self, readers: int) -> bool:
+        """Writer: with direct reads an export copies nothing and each reader copies once out
+        of the writer's tensors (``process_vm_readv``, at ``s`` x memcpy's speed); a ring costs
+        one packing copy and a memcpy per reader. In place wins when ``readers / s < 1 +
+        readers``."""
+        return cma.enabled() and readers < cma.speed_vs_memcpy() * (1 + readers)
+
     def release(self, obj: StoredObject) -> None:
         """Producer: mark the object freed and withdraw it; mappings consumers hold stay valid."""
         state = obj.transport_state.pop(self.name, None)
