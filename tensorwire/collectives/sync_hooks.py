@@ -14,14 +14,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pickle
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from tensorwire.collectives import receiver_state
 from tensorwire.collectives.channel import Channel, member_from
+from tensorwire.collectives.commit import vote as commit_vote
 from tensorwire.collectives.fanout import (
     SLOT,
     BucketKind,
@@ -36,6 +37,7 @@ from tensorwire.collectives.fanout import (
 )
 from tensorwire.collectives.fanout import release as release_staging
 from tensorwire.collectives.layout import HeldParam, describe_value
+from tensorwire.collectives.receiver_state import weight_fence, weight_version
 from tensorwire.collectives.sync_spec import PushSpec, ReceiveResult, Region, Role, SendResult, assign_roles
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime.hooks import actor_hook
@@ -54,10 +56,6 @@ __all__ = [
     "weight_version",
 ]
 
-_versions: dict[str, int] = {}
-_fences: dict[str, threading.Lock] = {}
-_versions_lock = threading.Lock()
-_shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> atomic shadow or fp8 staging
 _specs: dict[bytes, PushSpec] = {}  # the last spec the driver sent (serialised -> loaded)
 _prepared: dict[int, tuple[Any, Any]] = {}  # id(part of a spec) -> (that part, what was computed from it)
 _fault_point: list[Callable[[str, int], None]] = []  # set_fault_point's hook, if any
@@ -74,19 +72,6 @@ def set_fault_point(hook: Callable[[str, int], None] | None) -> None:
 def _at_fault_point(role: str, k: int) -> None:
     for hook in _fault_point:
         hook(role, k)
-
-
-def weight_version(name: str = "weights") -> int:
-    """Inside a receiver: the version of weight sync ``name`` it holds completely (0: none)."""
-    with _versions_lock:
-        return _versions.get(name, 0)
-
-
-def weight_fence(name: str = "weights") -> threading.Lock:
-    """Inside a receiver: the lock an atomic sync ``name`` publishes a version under (when
-    it was given no ``fence``). Readers that hold it see one whole version."""
-    with _versions_lock:
-        return _fences.setdefault(name, threading.Lock())
 
 
 def holder_value(actor: object, where: str | None, role: str) -> dict[str, Any]:
@@ -173,8 +158,7 @@ def release(_actor: object, sync_id: str) -> None:
     release_staging(sync_id)
     _specs.clear()
     _prepared.clear()
-    for key in [key for key in _shadows if key[0] == sync_id]:
-        del _shadows[key]
+    receiver_state.release(sync_id)
 
 
 def _channel(spec: PushSpec) -> Channel:
@@ -336,61 +320,6 @@ def _take_object(
     return fetched.transport, fetched.copy_s + time.perf_counter() - copy_start, fetched.tensors
 
 
-def _destinations(spec: PushSpec, targets: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Where each parameter's pieces land: the target itself, its atomic shadow, or (float8)
-    a staging tensor of the wire dtype. Kept between pushes."""
-    wire = {r.param: r.wire_dtype for role in spec.roles for bucket in role.buckets for r in bucket}
-    fp8 = {p for p, _scale in spec.scales}
-    result = []
-    for i, target in enumerate(targets):
-        if i in fp8 and i in wire:
-            key, shape, dtype = (spec.sync_id, -1 - i), target.shape, _dtype(wire[i])
-        elif spec.atomic:
-            key, shape, dtype = (spec.sync_id, i), target.shape, target.dtype
-        else:
-            result.append(target)
-            continue
-        kept = _shadows.get(key)
-        if kept is None or kept.shape != shape or kept.dtype != dtype or kept.device != target.device:
-            kept = _shadows[key] = torch.empty(shape, dtype=dtype, device=target.device)
-        result.append(kept)
-    return result
-
-
-def _shadow(spec: PushSpec, targets: list[torch.Tensor], i: int) -> torch.Tensor:
-    if not spec.atomic:
-        return targets[i]
-    key = (spec.sync_id, i)
-    kept = _shadows.get(key)
-    if kept is None or kept.shape != targets[i].shape or kept.dtype != targets[i].dtype:
-        kept = _shadows[key] = torch.empty_like(targets[i])
-    return kept
-
-
-def _quantise(spec: PushSpec, targets: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
-    """Float8 parameters: scale = amax of the piece / the dtype's max; write both."""
-    for param, scale_param in spec.scales:
-        out = _shadow(spec, targets, param)
-        high = dsts[param].float()
-        top = torch.finfo(out.dtype).max
-        scale = (high.abs().max() / top).clamp(min=1e-12)
-        out.copy_((high / scale).clamp(-top, top).to(out.dtype))
-        _shadow(spec, targets, scale_param).fill_(scale.item())
-
-
-@contextlib.contextmanager
-def _fence(actor: object, spec: PushSpec) -> Iterator[None]:
-    if spec.fence is None:
-        with weight_fence(spec.name):
-            yield
-        return
-    fence = getattr(actor, spec.fence, None)
-    if fence is None:
-        raise AttributeError(f"the receiver ({type(actor).__name__}) has no fence attribute {spec.fence!r}")
-    with fence() if callable(fence) and not hasattr(fence, "__enter__") else fence:
-        yield
-
-
 @actor_hook
 def receive(
     actor: object, spec: PushSpec | bytes, version: int | None = None, channel: str | None = None
@@ -409,7 +338,7 @@ def receive(
         with serving(list(fanouts.values()), f"relay {spec.rank}"):
             try:
                 targets = _tensors(actor, spec, "target")
-                dsts = _destinations(spec, targets)
+                dsts = receiver_state.destinations(spec, targets)
                 for k in range(max((len(r.buckets) for r in spec.roles), default=0)):
                     for role in spec.roles:
                         if k >= len(role.buckets):
@@ -444,14 +373,10 @@ def receive(
                     _at_fault_point("receiver", k)
                 for ack in acks:
                     ack()
-                _quantise(spec, targets, dsts)
-                if spec.atomic:
-                    with _fence(actor, spec):  # one local copy: readers holding the fence see whole versions
-                        for i, target in enumerate(targets):
-                            target.copy_(_shadow(spec, targets, i))
-                        _publish(spec)
-                else:
-                    _publish(spec)
+                receiver_state.quantise(spec, targets, dsts)
+                refused = commit_vote(spec) if spec.commit == "all" else None
+                if refused is None:
+                    receiver_state.commit(actor, spec, targets)
             except BaseException as e:  # tell the parents, so that they stop waiting for this receiver
                 reason = f"receiver {spec.rank}: {type(e).__name__}: {e}".encode()[:4096]
                 for role in spec.roles:
@@ -465,7 +390,7 @@ def receive(
         relay_failed.update(fanout.failed)
     return ReceiveResult(
         rank=spec.rank,
-        version=spec.version,
+        version=spec.version if refused is None else weight_version(spec.name),
         nbytes=nbytes,
         transfer_s=transfer_s,
         unpack_s=unpack_s,
@@ -474,9 +399,6 @@ def receive(
         transports=transports,
         relay_failed=relay_failed,
         peak_nbytes=sum(f.peak_nbytes for f in fanouts.values()),
+        committed=refused is None,
+        refused=refused or "",
     )
-
-
-def _publish(spec: PushSpec) -> None:
-    with _versions_lock:
-        _versions[spec.name] = spec.version

@@ -66,6 +66,8 @@ class PushSpec:
     fence: str | None = None
     scales: tuple[tuple[int, int], ...] = ()  # receiver: (float8 param, its scale param)
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    commit: str = "each"  # receiver: "all" (vote, commit on the driver's word) or "each" (on its own)
+    on_commit: str | Callable[[object, int], None] | None = None  # receiver: run once per commit
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,8 @@ class ReceiveResult:
         transports: Transport -> buckets it fetched over it.
         relay_failed: Node-mate rank -> why its relay to it failed.
         peak_nbytes: Most bytes it had staged at once as a relay.
+        committed: Whether it made ``version`` its own (all-or-none: not when the push aborted).
+        refused: Why not (the driver's abort, or no word from it).
     """
 
     rank: int
@@ -120,6 +124,8 @@ class ReceiveResult:
     transports: dict[str, int] = field(default_factory=dict)
     relay_failed: dict[int, str] = field(default_factory=dict)
     peak_nbytes: int = 0
+    committed: bool = True
+    refused: str = ""
 
 
 def assign_roles(

@@ -14,15 +14,20 @@ hold the same piece) and each push moves exactly the plan's bytes, all pairs at 
 buckets of about ``bucket_bytes`` with at most two buckets staged per stream (:mod:`.fanout`;
 actors' side in :mod:`.sync_hooks`). One trainer into identical receivers is the M = 1 case.
 
-Versions: ``push()`` publishes the next version. In place (default) receivers copy straight
-into their tensors; ``atomic=True``: each receiver assembles the version in a shadow copy and
-publishes it with one local copy inside a fence (``fence=`` names an attribute of the receiver
-giving a lock or context manager; default ``tw.collective.weight_fence(name)``), so readers
-taking the fence never see a mix; a failed push leaves them on the previous version.
+Versions: ``push()`` publishes the next version on every receiver or on none (``commit="all"``,
+the default): each receiver assembles it in a shadow copy (one copy of its parameters, kept
+across pushes), tells the driver, and publishes it with one local copy inside a fence (``fence=``
+names an attribute of the receiver giving a lock or context manager; default
+``tw.collective.weight_fence(name)``) once the driver saw every receiver ready; on any failure
+every receiver keeps the version it had, bit for bit (:mod:`.commit`). ``commit="each"``: each
+receiver commits on its own, in place (no shadow) unless ``atomic=True`` (a shadow, published
+inside the fence). ``on_commit`` runs in a receiver once per version it commits;
+``wait_version(v)`` waits in the driver until every receiver holds ``v``.
 
 Membership: ``add_receiver`` / ``remove_receiver`` between pushes plan only that receiver. A
-receiver that dies mid-push is dropped (``report.failed``) and left out later; the others
-complete. A trainer that dies or fails fails the push with an error naming it.
+receiver that dies mid-push is dropped (``report.failed``) and left out later; under
+``commit="each"`` the others complete. A trainer that dies or fails fails the push with an error
+naming it.
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Mapping as MappingABC
-from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -41,10 +45,12 @@ import torch
 
 from tensorwire.collectives import sync_hooks
 from tensorwire.collectives.api import DEFAULT_TIMEOUT_S, check_actors, describe_actors
+from tensorwire.collectives.commit import Vote, first_failure
 from tensorwire.collectives.fanout import checksum
 from tensorwire.collectives.layout import HeldParam
 from tensorwire.collectives.plan import Fuse, Mapping, Plan, bucket_plan
 from tensorwire.collectives.sync_hooks import PushSpec, ReceiveResult, Role, assign_roles, weight_version
+from tensorwire.collectives.sync_report import SyncReport
 from tensorwire.errors import TensorwireError
 from tensorwire.progress import ProgressBar
 from tensorwire.runtime import calls
@@ -59,68 +65,6 @@ __all__ = ["SyncReport", "WeightSync", "bucket_plan", "checksum", "weight_versio
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
-
-
-@dataclass
-class SyncReport:
-    """What one :meth:`WeightSync.push` did.
-
-    Attributes:
-        version: The version pushed.
-        nbytes: The largest receiver's bytes in the plan (M = 1 into replicas: the state size).
-        buckets: Buckets over all streams.
-        seconds: Wall time of the push, seen from the caller.
-        pack_s: Slowest trainer's time publishing buckets (the copy into shared memory).
-        transfer_s: Slowest receiver's time fetching (the copy into its tensors included).
-        unpack_s: Slowest receiver's time copying what could not land directly (strided, converted).
-        verify_s: Slowest receiver's checksum time (0 without ``verify``).
-        receivers: Receiver id -> its :class:`ReceiveResult` (times, transports, bytes).
-        failed: Receiver id -> why it does not hold this version.
-        peak_staging_nbytes: Most bytes any trainer had staged at once (about two buckets per stream).
-        in_place_nbytes: Bytes the receivers read straight out of the trainers' tensors (no staging
-            copy on the trainer; the rest was packed or converted into staging first).
-        moved_nbytes: Bytes the receivers that completed took in.
-        plan_nbytes: The plan's bytes for those receivers (what a push must move, and no more).
-    """
-
-    version: int
-    nbytes: int
-    buckets: int
-    seconds: float
-    pack_s: float
-    transfer_s: float
-    unpack_s: float
-    verify_s: float
-    receivers: dict[int, ReceiveResult] = field(default_factory=dict)
-    failed: dict[int, str] = field(default_factory=dict)
-    peak_staging_nbytes: int = 0
-    in_place_nbytes: int = 0
-    moved_nbytes: int = 0
-    plan_nbytes: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed
-
-    @property
-    def gbps(self) -> float:
-        """Bytes delivered to the receivers per second, in GB/s."""
-        return self.moved_nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def __str__(self) -> str:
-        transports = sorted({t for r in self.receivers.values() for t in r.transports})
-        text = (
-            f"weight sync v{self.version}: {self.moved_nbytes / 2**20:.1f} MiB into {len(self.receivers)} receiver(s) "
-            f"in {self.seconds * 1e3:.1f} ms ({self.gbps:.2f} GB/s; {self.buckets} bucket(s) by "
-            f"{', '.join(transports) or '-'}; pack {self.pack_s * 1e3:.1f} ms, "
-            f"transfer {self.transfer_s * 1e3:.1f} ms, unpack {self.unpack_s * 1e3:.1f} ms"
-        )
-        if self.verify_s:
-            text += f", verify {self.verify_s * 1e3:.1f} ms"
-        text += ")"
-        if self.failed:
-            text += f"; FAILED: {self.failed}"
-        return text
 
 
 class WeightSync:
@@ -139,6 +83,11 @@ class WeightSync:
         transform: ``f(trainer name, piece) -> piece`` of the same shape, run on the trainer.
         atomic: Publish each version at once inside the receivers' fence (see the module doc).
         fence: Name of the receivers' attribute giving the fence (a lock or context manager).
+        commit: ``"all"``: a version becomes every receiver's or none's (each assembles it aside,
+            like ``atomic``, and commits when all have it; on any failure all keep the one they
+            had); ``"each"``: every receiver commits on its own (in place unless ``atomic``).
+        on_commit: Run in a receiver once per version it commits: the name of its method
+            (called with the version) or a function ``f(actor, version)``.
         bucket_bytes: Bucket size; extra memory is about two buckets per stream and relay.
         transport: "auto" (the selector, per receiver) or a transport name for every fetch.
         verify: Checksum every bucket and check it in the receivers.
@@ -160,6 +109,8 @@ class WeightSync:
         transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
         atomic: bool = False,
         fence: str | None = None,
+        commit: str = "all",
+        on_commit: str | Callable[[Any, int], None] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         transport: str = "auto",
         verify: bool = False,
@@ -175,6 +126,10 @@ class WeightSync:
             raise ValueError("WeightSync needs at least one receiver")
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError("bucket_bytes must be a positive number of bytes")
+        if commit not in ("all", "each"):
+            raise ValueError(f"commit={commit!r}: expected 'all' (every receiver or none) or 'each' (each on its own)")
+        if on_commit is not None and not (isinstance(on_commit, str) and on_commit) and not callable(on_commit):
+            raise TypeError("on_commit must name a receiver method or be a function f(actor, version)")
         if transport != "auto":
             from tensorwire.transport import registry
 
@@ -187,6 +142,8 @@ class WeightSync:
         self.verify = verify
         self.atomic = atomic
         self.fence = fence
+        self.commit = commit
+        self.on_commit = on_commit
         self.transform = transform
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.name = name
@@ -280,7 +237,7 @@ class WeightSync:
             descriptions=descriptions,
             bucket_bytes=self.bucket_bytes,
         )
-        driver = peer_to_bytes(runtime_agent().peer) if self.progress else b""
+        driver = peer_to_bytes(runtime_agent().peer)
         m = len(self.trainers)
         blobs = {}
         for rank in range(len(descriptions)):
@@ -307,11 +264,13 @@ class WeightSync:
                 verify=self.verify,
                 transport=self.transport,
                 timeout_s=self.timeout_s,
-                driver=driver if trainer else b"",
-                atomic=self.atomic and not trainer,
+                driver=driver if (self.progress if trainer else self.commit == "all") else b"",
+                atomic=(self.atomic or self.commit == "all") and not trainer,
                 fence=self.fence,
                 scales=scales,
                 transform=self.transform if trainer else None,
+                commit=self.commit,
+                on_commit=None if trainer else self.on_commit,
             )
             try:  # the C pickler: tens of times faster than cloudpickle on thousands of small records
                 blobs[rank] = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
@@ -347,7 +306,13 @@ class WeightSync:
             r: call_hook(self._receivers[r], sync_hooks.receive, blobs[m + i], self.version, channel)
             for i, r in enumerate(live)
         }
-        self._wait([*trainer_refs, *receiver_refs.values()], channel, roles, buckets)
+        vote = None
+        if self.commit == "all":
+            ranks = {m + i: self._descriptions[r][0] for i, r in enumerate(live)}
+            vote = Vote(channel, ranks, timeout_s=self.timeout_s)
+        members = {ref: f"trainer {i}" for i, ref in enumerate(trainer_refs)}
+        members.update({ref: f"receiver {rid}" for rid, ref in receiver_refs.items()})
+        self._wait(members, channel, roles, buckets, vote)
         seconds = time.perf_counter() - start
         report = SyncReport(self.version, self.nbytes, buckets, seconds, 0.0, 0.0, 0.0, 0.0)
         for rid in self._receivers:
@@ -365,6 +330,9 @@ class WeightSync:
             if outcome.error is not None:  # timed out
                 raise outcome.error
             result: ReceiveResult = outcome.value
+            if not result.committed:
+                report.failed[rid] = f"not committed: {result.refused}"
+                continue
             report.receivers[rid] = result
             report.moved_nbytes += result.nbytes
             report.plan_nbytes += self.plan.receiver_nbytes_of(rid)
@@ -388,9 +356,18 @@ class WeightSync:
             report.in_place_nbytes += outcome.value.in_place_nbytes
         return report
 
-    def _wait(self, refs: list[Any], channel: str, roles: dict[int, tuple[Role, ...]], buckets: int) -> None:
-        """Wait for the push (bounded), drawing progress from the trainers' messages."""
-        pending = list(refs)
+    def _wait(
+        self,
+        members: dict[Any, str],
+        channel: str,
+        roles: dict[int, tuple[Role, ...]],
+        buckets: int,
+        vote: Vote | None,
+    ) -> None:
+        """Wait for the push (bounded), drawing progress from the trainers' messages and, for
+        an all-or-none commit, deciding it: commit once every receiver is ready, abort as soon
+        as a member failed or a receiver ended without committing."""
+        pending = list(members)
         deadline = time.monotonic() + self.timeout_s * (buckets + 2)
         agent = runtime_agent()
         expected = [(role.stream, len(role.buckets)) for rank in range(len(self.trainers)) for role in roles[rank]]
@@ -401,7 +378,12 @@ class WeightSync:
             while pending:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"weight sync v{self.version} did not finish in time")
-                _done, pending = calls.wait_all(pending, timeout_s=0.1)
+                if vote is not None and vote.decision is None:
+                    vote.collect()
+                    done, pending = calls.wait_all(pending, timeout_s=0.0)
+                    vote.decide(self._failure(members, done))
+                else:
+                    _done, pending = calls.wait_all(pending, timeout_s=0.1)
                 if not self.progress:
                     continue
                 for stream, count in expected:
@@ -416,6 +398,18 @@ class WeightSync:
             agent.rendezvous_forget(channel)
             bar.close()
 
+    def _failure(self, members: dict[Any, str], done: list[Any]) -> str | None:
+        """Why a push cannot commit, from the calls that ended before the decision: a member
+        that failed or died, or a receiver that ended without committing."""
+        outcomes = [(members[ref], calls.settle(ref, timeout_s=self.timeout_s)) for ref in done]
+        failure = first_failure(outcomes)
+        if failure is not None:
+            return failure
+        for who, outcome in outcomes:
+            if who.startswith("receiver") and not outcome.value.committed:
+                return f"{who} ended without committing: {outcome.value.refused}"
+        return None
+
     # ------------------------------------------------------------------ state
 
     def versions(self) -> list[int]:
@@ -427,6 +421,28 @@ class WeightSync:
                 raise outcome.error
             result.append(outcome.value if outcome.ok else -1)
         return result
+
+    def wait_version(self, version: int, *, timeout_s: float = 60.0) -> list[int]:
+        """Wait until every receiver not known dead holds ``version`` or a later one; returns
+        what each holds (as :meth:`versions`).
+
+        Raises:
+            TimeoutError: Some did not within ``timeout_s`` (named, with what they hold).
+        """
+        deadline = time.monotonic() + validate_timeout(timeout_s)
+        while True:
+            held = self.versions()
+            behind = {
+                rid: v for rid, v in zip(self._receivers, held, strict=True) if rid not in self._dead and v < version
+            }
+            if not behind:
+                return held
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"weight sync {self.name}: receiver(s) {behind} (id: version held) not at version {version} "
+                    f"after {timeout_s:g} s"
+                )
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Free the staging memory the sync keeps between pushes (two buckets of shared memory

@@ -87,6 +87,11 @@ def die_at(role: str, k: int) -> None:
     tw.collective.set_fault_point(hook)
 
 
+def note_commit(actor: Holder, version: int) -> None:
+    """An ``on_commit`` function: ``f(actor, version)``."""
+    actor.commits.append(("function", version))
+
+
 @tw.remote(num_cpus=0)
 class Holder:
     """Trainer or receiver of weight-sync tests: a dict of tensors (``weights``)."""
@@ -96,6 +101,7 @@ class Holder:
         gen = torch.Generator().manual_seed(seed or 0)
         make = (lambda: torch.randn(per, generator=gen)) if seed is not None else (lambda: torch.zeros(per))
         self.weights = {f"layer{i}.weight": make() for i in range(num_tensors)}
+        self.commits: list[tuple[str, int]] = []  # what on_commit saw
 
     def pid(self) -> int:
         return os.getpid()
@@ -105,6 +111,13 @@ class Holder:
 
     def die_at(self, role: str, k: int) -> None:
         die_at(role, k)
+
+    def note_commit(self, version: int) -> None:
+        """An ``on_commit`` method."""
+        self.commits.append(("method", version))
+
+    def commits_seen(self) -> list[tuple[str, int]]:
+        return list(self.commits)
 
     def data_ptrs(self) -> list[int]:
         return [t.data_ptr() for t in self.weights.values()]

@@ -197,7 +197,7 @@ def test_atomic_receivers_are_never_seen_mid_update(ray_local):
 def test_receiver_killed_mid_push_then_removed_and_another_added(ray_local):
     trainers = [Pieces.remote(flat_entries(r, 2, tensors=32), version=1) for r in range(2)]
     receivers = [Pieces.remote(flat_entries(0, 1, tensors=32)) for _ in range(3)]
-    sync = tw.WeightSync(trainers, receivers, bucket_bytes=256 << 10)
+    sync = tw.WeightSync(trainers, receivers, bucket_bytes=256 << 10, commit="each")  # the others commit
     ray.get(receivers[1].die_at.remote("receiver", 2))
     report = sync.push()
     assert list(report.failed) == [1] and "died" in report.failed[1]

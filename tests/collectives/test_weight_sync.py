@@ -126,7 +126,7 @@ def test_ring_reads_go_through_a_ring_of_at_most_two_slots(ray_local):
 def test_a_receiver_killed_mid_sync_does_not_stall_the_others(ray_local):
     trainer = Holder.remote(64, 256 << 20, seed=2)
     receivers = [Holder.remote(64, 256 << 20, seed=None) for _ in range(3)]
-    sync = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=8 << 20)
+    sync = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=8 << 20, commit="each")
     ray.get(receivers[1].die_at.remote("receiver", 3))  # killed after its fourth of 32 buckets
     report = sync.push()
     assert list(report.failed) == [1] and "died" in report.failed[1]
@@ -141,7 +141,7 @@ def test_a_receiver_killed_mid_sync_does_not_stall_the_others(ray_local):
 def test_a_failing_trainer_or_receiver_ends_the_push_at_once(ray_local):
     trainer = Holder.remote(8, 1 << 20, seed=1)
     receivers = [Holder.remote(8, 1 << 20, seed=None) for _ in range(2)]
-    sync = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=256 << 10, timeout_s=120)
+    sync = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=256 << 10, timeout_s=120, commit="each")
     ray.get(receivers[0].reshape_first.remote())
     start = time.monotonic()
     report = sync.push()  # the receiver tells the trainer; the other one completes

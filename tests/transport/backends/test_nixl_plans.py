@@ -145,3 +145,21 @@ def test_a_registration_whose_memory_went_while_in_use_is_never_handed_out_again
     _, consumer = pair
     got = consumer.call(f"{P}:stale_registration_in_use")
     assert got == {"same": False, "listed": True, "old_stale": True, "deregistered": 1}, got
+
+
+def test_the_environment_turns_prepared_reads_on_in_a_new_process(pair):
+    producer = pair[0]
+    ref = producer.call(f"{P}:put", "by-env", 64 << 10, 1, 600.0)
+    expected = producer.call(f"{P}:digest_of", "by-env")
+    made = {}
+    for setting in ("1", "0"):
+        consumer = Worker(
+            env={**TCP, "TENSORWIRE_NODE_ID": f"plans-env-{setting}", "TENSORWIRE_NIXL_PREPARED": setting}
+        )
+        try:
+            got = consumer.call(f"{P}:fetch_into", ref, ["a"] * 3)
+        finally:
+            consumer.close()
+        assert got["digests"] == [expected] * 3
+        made[setting] = got["stats"]["plans_made"]
+    assert made == {"1": 1, "0": 0}  # the second fetch into "a" keeps its READs only when turned on

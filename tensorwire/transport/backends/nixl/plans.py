@@ -9,11 +9,12 @@ word and its destination registrations, so a repeated fetch only posts and polls
 kept per process (a bounded LRU), one fetch at a time each (a second fetch of the same pair
 meanwhile builds its own READs); one whose destination memory was freed, whose producer was
 forgotten or whose READ failed is retired. Keeping plans is off unless :data:`PREPARED` is set
-(see there).
+(``TENSORWIRE_NIXL_PREPARED=1``; see there).
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,9 @@ KEPT = 64  # plans a process keeps (the least recently used go first)
 # Prepared READs are off by default: with them, a consumer of `tensorwire bench`'s process
 # scenarios crashed now and then inside UCX (`ucp_get_nbx`, 3 of 13 runs here; 0 of 8 without);
 # why is not known yet. Every fetch then makes its READs for itself (7 us more at 4 KiB).
-PREPARED = False
+# TENSORWIRE_NIXL_PREPARED=1 turns them on (experimental: to measure them and find that crash).
+PREPARED_ENV = "TENSORWIRE_NIXL_PREPARED"
+PREPARED = os.environ.get(PREPARED_ENV, "0").strip() == "1"
 _SEEN = 1024  # (object, destination) pairs remembered as fetched once: the second fetch makes a plan
 
 

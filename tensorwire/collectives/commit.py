@@ -1,0 +1,103 @@
+"""All-or-none commit of a weight-sync version: the receivers vote, the driver decides.
+
+With ``commit="all"`` every receiver assembles the version aside (its shadows) and, once all
+its streams completed, tells the driver (``ready/<rank>`` in the driver's mailbox for the push's
+channel) and waits for the decision in its own mailbox: ``commit``, or ``abort: <why>``. The
+driver commits when every receiver of the push is ready; a receiver or trainer that failed or
+died first makes it abort them all, so every receiver keeps the version it had, bit for bit. A
+receiver that hears nothing within its deadline (the driver gone) keeps its version too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+from tensorwire.collectives.sync_spec import PushSpec
+from tensorwire.errors import TensorwireError
+from tensorwire.runtime import calls
+from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.transport.agent.wire import peer_from_bytes
+
+__all__ = ["COMMIT", "Vote", "first_failure", "vote"]
+
+COMMIT = b"commit"
+_DECISION = "decision"
+_POLL_S = 0.05  # how long the driver waits for one message before it looks at the calls again
+
+
+def _ready(rank: int) -> str:
+    return f"ready/{rank}"
+
+
+def vote(spec: PushSpec) -> str | None:
+    """Receiver: tell the driver this version is assembled; None when told to commit it, else
+    why not."""
+    agent = runtime_agent()
+    try:
+        agent.rendezvous_push(
+            peer_from_bytes(spec.driver), spec.channel, _ready(spec.rank), b"", timeout_s=spec.timeout_s
+        )
+        decision = agent.rendezvous_take(spec.channel, _DECISION, timeout_s=spec.timeout_s)
+    except TensorwireError as e:
+        return f"no decision from the driver: {e}"
+    return None if decision == COMMIT else decision.decode(errors="replace")
+
+
+class Vote:
+    """The driver's side of one push's vote.
+
+    ``receivers``: channel rank -> the receiver's agent (peer bytes), for every receiver of
+    the push.
+    """
+
+    def __init__(self, channel: str, receivers: dict[int, bytes], *, timeout_s: float) -> None:
+        self.channel = channel
+        self.receivers = receivers
+        self.timeout_s = timeout_s
+        self.ready: set[int] = set()
+        self.decision: bytes | None = None
+
+    def collect(self) -> None:
+        """Take the ready messages that came (waits at most a moment for the next one)."""
+        agent = runtime_agent()
+        for rank in self.receivers:
+            if rank in self.ready:
+                continue
+            try:
+                agent.rendezvous_take(self.channel, _ready(rank), timeout_s=_POLL_S)
+            except TensorwireError:
+                return  # not yet: the caller looks at the calls first
+            self.ready.add(rank)
+
+    def decide(self, failure: str | None) -> None:
+        """Commit when no ``failure`` and every receiver is ready; abort on a failure."""
+        if self.decision is not None:
+            return
+        if failure is None and len(self.ready) < len(self.receivers):
+            return
+        self.decision = COMMIT if failure is None else f"abort: {failure}".encode()[:4096]
+        agent = runtime_agent()
+        waits: list[Callable[[], None]] = []
+        for peer in self.receivers.values():
+            with contextlib.suppress(TensorwireError):  # a dead receiver: its call shows it
+                waits.append(
+                    agent.rendezvous_push_async(
+                        peer_from_bytes(peer), self.channel, _DECISION, self.decision, timeout_s=self.timeout_s
+                    )
+                )
+        for wait in waits:
+            with contextlib.suppress(TensorwireError):
+                wait()
+
+    @property
+    def committed(self) -> bool:
+        return self.decision == COMMIT
+
+
+def first_failure(outcomes: Sequence[tuple[str, calls.Outcome]]) -> str | None:
+    """The first (who, outcome) that failed or died, as text; None when none did."""
+    for who, outcome in outcomes:
+        if not outcome.ok:
+            return f"{who} {'died' if outcome.failure is calls.CallFailure.ACTOR_DIED else 'failed'}: {outcome.reason}"
+    return None

@@ -1,0 +1,121 @@
+"""What a weight-sync receiver keeps between pushes, and how it commits a version.
+
+Per process: the version of each named sync it holds completely (:func:`weight_version`), the
+fence an atomic sync publishes under (:func:`weight_fence`), and the *shadows*: where a push
+assembles a version aside (``atomic``, or an all-or-none commit) and the wire-dtype staging of
+float8 parameters, kept across pushes. :func:`commit` makes a version visible: one local copy
+of every shadow inside the fence, then the version and the receiver's ``on_commit`` hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from tensorwire.collectives.sync_spec import PushSpec
+
+__all__ = ["commit", "destinations", "quantise", "release", "weight_fence", "weight_version"]
+
+_versions: dict[str, int] = {}
+_fences: dict[str, threading.Lock] = {}
+_lock = threading.Lock()
+_shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> shadow, or (sync id, -1 - param) fp8 staging
+
+
+def weight_version(name: str = "weights") -> int:
+    """Inside a receiver: the version of weight sync ``name`` it holds completely (0: none)."""
+    with _lock:
+        return _versions.get(name, 0)
+
+
+def weight_fence(name: str = "weights") -> threading.Lock:
+    """Inside a receiver: the lock an atomic sync ``name`` publishes a version under (when
+    it was given no ``fence``). Readers that hold it see one whole version."""
+    with _lock:
+        return _fences.setdefault(name, threading.Lock())
+
+
+def release(sync_id: str) -> None:
+    """Drop the shadows of sync ``sync_id`` in this process."""
+    for key in [key for key in _shadows if key[0] == sync_id]:
+        del _shadows[key]
+
+
+def _kept(key: tuple[str, int], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    kept = _shadows.get(key)
+    if kept is None or kept.shape != shape or kept.dtype != dtype or kept.device != device:
+        kept = _shadows[key] = torch.empty(shape, dtype=dtype, device=device)
+    return kept
+
+
+def destinations(spec: PushSpec, targets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Where each parameter's pieces land: the target itself, its shadow (assembled aside),
+    or (float8) a staging tensor of the wire dtype. Kept between pushes."""
+    wire = {r.param: r.wire_dtype for role in spec.roles for bucket in role.buckets for r in bucket}
+    fp8 = {p for p, _scale in spec.scales}
+    result = []
+    for i, target in enumerate(targets):
+        if i in fp8 and i in wire:
+            result.append(_kept((spec.sync_id, -1 - i), target.shape, getattr(torch, wire[i]), target.device))
+        elif spec.atomic:
+            result.append(_kept((spec.sync_id, i), target.shape, target.dtype, target.device))
+        else:
+            result.append(target)
+    return result
+
+
+def _shadow(spec: PushSpec, targets: list[torch.Tensor], i: int) -> torch.Tensor:
+    if not spec.atomic:
+        return targets[i]
+    return _kept((spec.sync_id, i), targets[i].shape, targets[i].dtype, targets[i].device)
+
+
+def quantise(spec: PushSpec, targets: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
+    """Float8 parameters: scale = amax of the piece / the dtype's max; write both."""
+    for param, scale_param in spec.scales:
+        out = _shadow(spec, targets, param)
+        high = dsts[param].float()
+        top = torch.finfo(out.dtype).max
+        scale = (high.abs().max() / top).clamp(min=1e-12)
+        out.copy_((high / scale).clamp(-top, top).to(out.dtype))
+        _shadow(spec, targets, scale_param).fill_(scale.item())
+
+
+@contextlib.contextmanager
+def _fence(actor: object, spec: PushSpec) -> Iterator[None]:
+    if spec.fence is None:
+        with weight_fence(spec.name):
+            yield
+        return
+    fence = getattr(actor, spec.fence, None)
+    if fence is None:
+        raise AttributeError(f"the receiver ({type(actor).__name__}) has no fence attribute {spec.fence!r}")
+    with fence() if callable(fence) and not hasattr(fence, "__enter__") else fence:
+        yield
+
+
+def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
+    """Make version ``spec.version`` the receiver's: assembled aside, one local copy inside its
+    fence (readers holding the fence see whole versions); then its ``on_commit`` hook, once."""
+    if spec.atomic:
+        with _fence(actor, spec):
+            for i, target in enumerate(targets):
+                target.copy_(_shadow(spec, targets, i))
+            _publish(spec)
+    else:
+        _publish(spec)
+    if spec.on_commit is None:
+        return
+    hook = getattr(actor, spec.on_commit) if isinstance(spec.on_commit, str) else spec.on_commit
+    if isinstance(spec.on_commit, str):
+        hook(spec.version)
+    else:
+        hook(actor, spec.version)
+
+
+def _publish(spec: PushSpec) -> None:
+    with _lock:
+        _versions[spec.name] = spec.version

@@ -1,0 +1,87 @@
+"""All-or-none weight-sync versions: a failure anywhere leaves every receiver bit-exactly at
+the version it had; ``on_commit`` once per commit; ``wait_version`` in the driver."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+import tensorwire as tw
+from tests.collectives.actors import Holder, note_commit
+
+NBYTES = 8 << 20
+
+
+def make(receivers: int = 3, **options):
+    trainer = Holder.remote(32, NBYTES, seed=1)
+    others = [Holder.remote(32, NBYTES, seed=None) for _ in range(receivers)]
+    sync = tw.WeightSync(trainer, others, source="weights", bucket_bytes=1 << 20, **options)
+    return trainer, others, sync
+
+
+def digests(actors) -> list[str]:
+    return ray.get([a.digest.remote() for a in actors])
+
+
+def test_a_receiver_killed_mid_push_commits_nobody_and_the_next_push_commits_the_rest(ray_local):
+    trainer, receivers, sync = make(on_commit="note_commit")
+    assert sync.push().ok
+    v1 = ray.get(trainer.digest.remote())
+    ray.get(trainer.step.remote(5))
+    ray.get(receivers[1].die_at.remote("receiver", 2))  # after 3 of its 8 buckets
+    report = sync.push()
+    assert not report.ok and set(report.failed) == {0, 1, 2}, report.failed
+    assert "died" in report.failed[1]
+    assert all(report.failed[r].startswith("not committed: abort: receiver 1 died") for r in (0, 2)), report.failed
+    live = [receivers[0], receivers[2]]
+    assert digests(live) == [v1, v1]  # bit-exactly version 1
+    assert sync.versions() == [1, -1, 1]
+    assert ray.get([r.commits_seen.remote() for r in live]) == [[("method", 1)]] * 2  # none for the aborted push
+    report = sync.push()  # the dead one is left out: the others commit
+    assert set(report.failed) == {1} and set(report.receivers) == {0, 2}
+    assert digests(live) == [ray.get(trainer.digest.remote())] * 2
+    assert sync.versions() == [3, -1, 3]
+    assert ray.get([r.commits_seen.remote() for r in live]) == [[("method", 1), ("method", 3)]] * 2
+    sync.close()
+
+
+def test_a_trainer_killed_mid_push_leaves_every_receiver_at_the_last_version(ray_local):
+    trainer, receivers, sync = make(on_commit=note_commit)
+    assert sync.push().ok
+    v1 = ray.get(trainer.digest.remote())
+    ray.get(trainer.step.remote(5))
+    ray.get(trainer.die_at.remote("trainer", 3))
+    with pytest.raises(tw.TensorwireError, match=r"trainer 0 .* died during the push") as failure:
+        sync.push()
+    assert set(failure.value.report.failed) == {0, 1, 2}
+    assert digests(receivers) == [v1] * 3 and sync.versions() == [1, 1, 1]
+    assert ray.get([r.commits_seen.remote() for r in receivers]) == [[("function", 1)]] * 3
+
+
+def test_best_effort_commits_the_others_when_one_receiver_dies(ray_local):
+    trainer, receivers, sync = make(commit="each")
+    ray.get(receivers[1].die_at.remote("receiver", 2))
+    report = sync.push()
+    assert set(report.failed) == {1} and "died" in report.failed[1]
+    assert digests([receivers[0], receivers[2]]) == [ray.get(trainer.digest.remote())] * 2
+    assert sync.versions() == [1, -1, 1]
+    sync.close()
+
+
+def test_wait_version_returns_what_receivers_hold_and_names_those_behind(ray_local):
+    _trainer, _receivers, sync = make(receivers=2)
+    assert sync.wait_version(0, timeout_s=10) == [0, 0]
+    sync.push()
+    assert sync.wait_version(1, timeout_s=10) == [1, 1]
+    with pytest.raises(TimeoutError, match=r"receiver\(s\) \{0: 1, 1: 1\} .* not at version 2 after 0.3 s"):
+        sync.wait_version(2, timeout_s=0.3)
+    sync.close()
+
+
+def test_bad_commit_options_are_refused(ray_local):
+    trainer = Holder.remote(2, 4096, seed=1)
+    receiver = Holder.remote(2, 4096, seed=None)
+    with pytest.raises(ValueError, match="commit='some'"):
+        tw.WeightSync(trainer, [receiver], source="weights", commit="some")
+    with pytest.raises(TypeError, match="on_commit"):
+        tw.WeightSync(trainer, [receiver], source="weights", on_commit=3)
