@@ -7,7 +7,9 @@ engines hold weights) are 2 replicas of 2 tensor-parallel ranks with fused ``qkv
 same bytes in the receivers' tensors (checked against tensorwire's by checksum after every
 round):
 
-* ``tensorwire WeightSync``: the plan; each receiver reads its bytes from the trainers.
+* ``tensorwire WeightSync``: the plan; each receiver reads its bytes from the trainers into
+  its shadow copy and all commit together (the default, all-or-none); with ``commit='each'``
+  each receiver reads in place and commits on its own (best effort, as the baselines are).
 * ``gather on trainer 0, push whole`` (what most RL frameworks do): the trainers all-gather
   every parameter (gloo), trainer 0 broadcasts it whole to the receivers (gloo), each keeps
   its slice.
@@ -49,6 +51,7 @@ HIDDEN, FFN = 1024, 2816
 TRAINERS, REPLICAS, TP = 2, 2, 2
 RECEIVER_DTYPE = torch.bfloat16
 ONE_PASS = "memcpy: one pass over the plan (read + convert)"
+EACH = "tensorwire WeightSync, commit='each'"
 _PARTS = {
     "q": (HIDDEN, HIDDEN),
     "k": (HIDDEN, HIDDEN),
@@ -222,9 +225,9 @@ class Bench:
             ShardedRank.remote(receiver_entries(c, self.model), seed=None, dtype=receiver_dtype) for c in self.coords
         ]
         rename, fuse = mapping(self.model)
-        self.sync = tw.WeightSync(
-            self.trainers, self.receivers, rename=rename, fuse=fuse, bucket_bytes=bucket_bytes, progress=False
-        )
+        options = {"rename": rename, "fuse": fuse, "bucket_bytes": bucket_bytes, "progress": False}
+        self.sync = tw.WeightSync(self.trainers, self.receivers, **options)
+        self.sync_each = tw.WeightSync(self.trainers, self.receivers, commit="each", **options)
         tw.collective.create_group(self.trainers, backend="gloo", name="tw-bench-gather")
         tw.collective.create_group([self.trainers[0], *self.receivers], backend="gloo", name="tw-bench-push")
         self._object_cuts = self._cuts(self.sync.plan)
@@ -256,6 +259,7 @@ class Bench:
         n = len(self.receivers)
         return {
             "tensorwire WeightSync": self.sync.plan.pair_nbytes(),
+            EACH: self.sync_each.plan.pair_nbytes(),
             "gather on trainer 0, push whole": {
                 **{(0, r): full for r in range(n)},
                 (1, -1): full // 2,
@@ -268,8 +272,8 @@ class Bench:
     def methods(self) -> dict[str, tuple[Callable[[], None], bool]]:
         order = list(self.model.items())
 
-        def push() -> None:
-            report = self.sync.push()
+        def push(sync: tw.WeightSync) -> None:
+            report = sync.push()
             if not report.ok:
                 raise RuntimeError(f"weight sync failed: {report.failed}")
 
@@ -284,7 +288,8 @@ class Bench:
             _gather([r.load_shards.remote(boxes) for r in self.receivers])
 
         return {
-            "tensorwire WeightSync": (push, False),
+            "tensorwire WeightSync": (lambda: push(self.sync), False),
+            EACH: (lambda: push(self.sync_each), False),
             "gather on trainer 0, push whole": (gather, True),
             "Ray object store": (store, True),
             ONE_PASS: (self.one_pass.run, True),
@@ -309,6 +314,7 @@ class Bench:
 
     def close(self) -> None:
         self.sync.close()
+        self.sync_each.close()
         for name in ("tw-bench-gather", "tw-bench-push"):
             tw.collective.destroy_group(name)
 
@@ -353,12 +359,12 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
                         "sharded-sync",
                         method,
                         result,
-                        baseline=method != "tensorwire WeightSync",
+                        baseline=not method.startswith("tensorwire"),
                         nbytes=plan_bytes,
                         tensors=len(bench.model),
                         peers=len(bench.receivers),
                         rate=plan_bytes / statistics.median(times) / 1e9,
-                        transport="" if method != "tensorwire WeightSync" else "auto",
+                        transport="auto" if method.startswith("tensorwire") else "",
                         reason="2 fp32 trainer halves -> 2 bf16 replicas x TP 2",
                     )
                 )
