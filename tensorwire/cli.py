@@ -216,8 +216,15 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         scenarios=scenarios,
         progress=sys.stderr.isatty() if args.progress is None else args.progress,
         sizes=series,
+        timeline=timeline_path(args.plot) if args.plot else "",
     )
     return main(options, ["tensorwire", *argv], json_path=args.json or "", plot_path=args.plot or "")
+
+
+def timeline_path(plot: str) -> str:
+    """Where ``--plot PATH`` puts the sharded-sync timeline: next to PATH, ``-sharded-timeline`` added."""
+    stem, dot, suffix = plot.rpartition(".")
+    return f"{stem}-sharded-timeline.{suffix}" if dot and "/" not in suffix else f"{plot}-sharded-timeline.png"
 
 
 def _calibrate(args: argparse.Namespace) -> int:

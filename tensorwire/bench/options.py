@@ -24,3 +24,4 @@ class Options:
     scenarios: tuple[str, ...] = SCENARIOS
     progress: bool = False
     sizes: list[int] = field(default_factory=list)
+    timeline: str = ""  # where sharded-sync draws its last push's per-pair timeline (PNG), if anywhere

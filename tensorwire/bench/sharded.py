@@ -239,6 +239,7 @@ class Bench:
         self.one_pass = OnePass(self.model, self.coords, receiver_dtype)
         self.one_pass.cuts = self._object_cuts
         self.expected: list[int] = []
+        self.last_report: Any = None  # the last tensorwire push's report (its timeline)
 
     def _whole_layout(self) -> list[Any]:
         from tensorwire.collectives.layout import Box, HeldParam
@@ -276,6 +277,7 @@ class Bench:
             report = sync.push()
             if not report.ok:
                 raise RuntimeError(f"weight sync failed: {report.failed}")
+            self.last_report = report
 
         def gather() -> None:
             _gather(
@@ -370,6 +372,8 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
                 )
                 progress.step(f"sharded-sync {method}")
             notes.append(f"sharded-sync: {len(bench.model)} tensors; GB/s counts the plan's bytes ({plan_bytes} B)")
+            if options.timeline and bench.last_report is not None:
+                bench.last_report.plot(options.timeline)
         finally:
             bench.close()
     finally:

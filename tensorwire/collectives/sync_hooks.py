@@ -38,7 +38,15 @@ from tensorwire.collectives.fanout import (
 from tensorwire.collectives.fanout import release as release_staging
 from tensorwire.collectives.layout import HeldParam, describe_value
 from tensorwire.collectives.receiver_state import weight_fence, weight_version
-from tensorwire.collectives.sync_spec import PushSpec, ReceiveResult, Region, Role, SendResult, assign_roles
+from tensorwire.collectives.sync_spec import (
+    BucketSpan,
+    PushSpec,
+    ReceiveResult,
+    Region,
+    Role,
+    SendResult,
+    assign_roles,
+)
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime.hooks import actor_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
@@ -333,6 +341,7 @@ def receive(
     nbytes = 0
     transports: dict[str, int] = {}
     acks: list[Callable[[], None]] = []
+    spans: list[BucketSpan] = []
     acked = {role.stream: 0 for role in spec.roles}
     try:
         with serving(list(fanouts.values()), f"relay {spec.rank}"):
@@ -352,12 +361,15 @@ def receive(
                         prepared = _memo(bucket, lambda b: _bucket_views(b, spec.layout))
                         views = [_view(dsts[param], where) for param, where, _d in prepared]
                         dtypes = [dtype for _p, _w, dtype in prepared]
-                        fetch_start = time.perf_counter()
+                        began, fetch_start = time.time(), time.perf_counter()
                         transport, slow_s, sent = _take(channel, spec, (kind, payload), views, dtypes)
+                        took = time.perf_counter() - fetch_start
                         transports[transport] = transports.get(transport, 0) + 1
                         unpack_s += slow_s
-                        transfer_s += time.perf_counter() - fetch_start - slow_s
-                        nbytes += sum(v.numel() * d.itemsize for v, d in zip(views, dtypes, strict=True))
+                        transfer_s += took - slow_s
+                        size = sum(v.numel() * d.itemsize for v, d in zip(views, dtypes, strict=True))
+                        nbytes += size
+                        spans.append(BucketSpan(role.parent, k, transport, began, took, size))
                         if spec.verify:
                             verify_start = time.perf_counter()
                             intact = checksum(views) == expected
@@ -401,4 +413,5 @@ def receive(
         peak_nbytes=sum(f.peak_nbytes for f in fanouts.values()),
         committed=refused is None,
         refused=refused or "",
+        spans=tuple(spans),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tensorwire.collectives.sync_spec import ReceiveResult
+from tensorwire.collectives.sync_telemetry import PairSpan, PairStats, plot_timeline
 
 __all__ = ["SyncReport"]
 
@@ -29,6 +30,9 @@ class SyncReport:
             copy on the trainer; the rest was packed or converted into staging first).
         moved_nbytes: Bytes the receivers that completed took in.
         plan_nbytes: The plan's bytes for those receivers (what a push must move, and no more).
+        pairs: (source, destination, transport) -> :class:`.sync_telemetry.PairStats` (bytes,
+            buckets, seconds, errors), sources and destinations named "trainer i" / "receiver j".
+        timeline: Every bucket a receiver that completed took in (:class:`.sync_telemetry.PairSpan`).
     """
 
     version: int
@@ -45,6 +49,13 @@ class SyncReport:
     in_place_nbytes: int = 0
     moved_nbytes: int = 0
     plan_nbytes: int = 0
+    pairs: dict[tuple[str, str, str], PairStats] = field(default_factory=dict)
+    timeline: list[PairSpan] = field(default_factory=list)
+
+    def plot(self, path: str) -> None:
+        """Write a PNG timeline of every pair's buckets (needs matplotlib: ``tensorwire[plot]``):
+        a slow link or rank stands out as a long row."""
+        plot_timeline(self.timeline, path, title=f"weight sync v{self.version}: buckets per pair")
 
     @property
     def ok(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from tensorwire.collectives.channel import member_from
 from tensorwire.collectives.layout import Box, HeldParam
@@ -21,7 +21,7 @@ from tensorwire.collectives.tensorwire_group import broadcast_parents
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PushSpec", "ReceiveResult", "Region", "Role", "SendResult", "assign_roles"]
+__all__ = ["BucketSpan", "PushSpec", "ReceiveResult", "Region", "Role", "SendResult", "assign_roles"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +95,18 @@ class SendResult:
     peak_nbytes: int = 0
 
 
+class BucketSpan(NamedTuple):
+    """One bucket a receiver took in: from channel rank ``parent``, over ``transport``, from
+    ``start`` (wall clock, seconds since the epoch) for ``seconds``."""
+
+    parent: int
+    bucket: int
+    transport: str
+    start: float
+    seconds: float
+    nbytes: int
+
+
 @dataclass(frozen=True)
 class ReceiveResult:
     """What one receiver did in a push.
@@ -112,6 +124,7 @@ class ReceiveResult:
         peak_nbytes: Most bytes it had staged at once as a relay.
         committed: Whether it made ``version`` its own (all-or-none: not when the push aborted).
         refused: Why not (the driver's abort, or no word from it).
+        spans: Every bucket it took in (:class:`BucketSpan`), for per-pair telemetry.
     """
 
     rank: int
@@ -126,6 +139,7 @@ class ReceiveResult:
     peak_nbytes: int = 0
     committed: bool = True
     refused: str = ""
+    spans: tuple[BucketSpan, ...] = ()
 
 
 def assign_roles(

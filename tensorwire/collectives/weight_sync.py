@@ -51,6 +51,7 @@ from tensorwire.collectives.layout import HeldParam
 from tensorwire.collectives.plan import Fuse, Mapping, Plan, bucket_plan
 from tensorwire.collectives.sync_hooks import PushSpec, ReceiveResult, Role, assign_roles, weight_version
 from tensorwire.collectives.sync_report import SyncReport
+from tensorwire.collectives.sync_telemetry import pairs_of, record
 from tensorwire.errors import TensorwireError
 from tensorwire.progress import ProgressBar
 from tensorwire.runtime import calls
@@ -298,7 +299,7 @@ class WeightSync:
         _key, blobs, roles, buckets = self._roles
         channel = f"tw-sync-{self._id}-{self.version}"
         m = len(self.trainers)
-        start = time.perf_counter()
+        started, start = time.time(), time.perf_counter()
         trainer_refs = [
             call_hook(t, sync_hooks.send, blobs[i], self.version, channel) for i, t in enumerate(self.trainers)
         ]
@@ -339,8 +340,14 @@ class WeightSync:
             report.transfer_s = max(report.transfer_s, result.transfer_s)
             report.unpack_s = max(report.unpack_s, result.unpack_s)
             report.verify_s = max(report.verify_s, result.verify_s)
+        names = {i: f"trainer {i}" for i in range(m)} | {m + i: f"receiver {r}" for i, r in enumerate(live)}
+        failed = [
+            f"receiver {r}" for r, why in report.failed.items() if not why.startswith(("left out", "not committed"))
+        ]
         for i, ref in enumerate(trainer_refs):
             outcome = calls.settle(ref, timeout_s=self.timeout_s)
+            if not outcome.ok:
+                self._telemetry(report, names, started, [*failed, f"trainer {i}"])
             if outcome.failure is calls.CallFailure.ACTOR_DIED:
                 error = TensorwireError(
                     f"weight sync v{self.version}: trainer {i} ({self.trainers[i]!r}) died during the push: "
@@ -354,7 +361,13 @@ class WeightSync:
             report.pack_s = max(report.pack_s, outcome.value.pack_s)
             report.peak_staging_nbytes = max(report.peak_staging_nbytes, outcome.value.peak_nbytes)
             report.in_place_nbytes += outcome.value.in_place_nbytes
+        self._telemetry(report, names, started, failed)
         return report
+
+    def _telemetry(self, report: SyncReport, names: dict[int, str], started: float, failed: list[str]) -> None:
+        """The push's per-pair view (report.pairs, report.timeline), added to the Prometheus totals."""
+        report.pairs, report.timeline = pairs_of(report.receivers, names, started, failed)
+        record(self.name, report.pairs)
 
     def _wait(
         self,

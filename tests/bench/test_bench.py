@@ -355,3 +355,16 @@ def test_nixl_compare_counts_rounds_with_wrong_bytes_and_goes_on(monkeypatch):
         assert nixl_compare.get_new(ref, 1, "", 7)[1]
     finally:
         tw.free(ref)
+
+
+def test_sharded_sync_draws_its_per_pair_timeline_next_to_the_plot(tmp_path):
+    from tensorwire.cli import timeline_path
+
+    assert timeline_path("out/bench.png") == "out/bench-sharded-timeline.png"
+    assert timeline_path("bench") == "bench-sharded-timeline.png"
+    png = tmp_path / "bench.png"
+    sizes = ("-b", "4K", "-e", "64K", "-n", "1", "-w", "0")  # the size plot needs two sizes of a scenario
+    done = run_cli("--scenarios", "p2p-processes,sharded-sync", "--transports", "shm", *sizes, "--plot", str(png))
+    assert done.returncode == 0, done.stdout + done.stderr
+    timeline = tmp_path / "bench-sharded-timeline.png"
+    assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and timeline.stat().st_size > 10_000

@@ -10,6 +10,8 @@ registered observers:
   ``tensorwire_transfer_seconds``, labelled by transport, in prometheus-client's default
   registry (expose it with ``prometheus_client.start_http_server(port)``). They are read from
   :data:`totals` when scraped: a fetch takes no lock and calls no metric for them.
+* More families from upper layers (:func:`add_collector`: weight sync's per-pair totals), in
+  the same registry.
 * Ray (in processes of a Ray cluster, added by the runtime): the same three through
   ``ray.util.metrics``, so they show on the Ray dashboard.
 
@@ -30,6 +32,7 @@ __all__ = [
     "BUCKETS",
     "Totals",
     "TransferRecord",
+    "add_collector",
     "add_observer",
     "enable_prometheus",
     "notify",
@@ -123,6 +126,7 @@ os.register_at_fork(after_in_child=totals.reset)
 
 Observer = Callable[[TransferRecord], None]
 _observers: tuple[Observer, ...] = ()  # replaced whole on a change: a fetch reads it without a lock
+_collectors: tuple[Callable[[], Iterator[Any]], ...] = ()  # more metric families, for upper layers
 _lock = threading.Lock()
 _prometheus = False
 
@@ -153,6 +157,15 @@ def notify(record: TransferRecord) -> None:
             observer(record)
         except Exception:
             logger.debug("transfer observer %r failed", observer, exc_info=True)
+
+
+def add_collector(families: Callable[[], Iterator[Any]]) -> None:
+    """Also show ``families()`` (prometheus-client metric families, made when scraped) wherever
+    :data:`totals` are exported to Prometheus (idempotent)."""
+    global _collectors
+    with _lock:
+        if families not in _collectors:
+            _collectors = (*_collectors, families)
 
 
 def enable_prometheus() -> bool:
@@ -192,6 +205,11 @@ class _Collector:
                 buckets.append((bound, cumulative))
             seconds.add_metric([name], buckets, row[2])
         yield from (transfers, nbytes, seconds)
+        for families in _collectors:
+            try:
+                yield from families()
+            except Exception:
+                logger.debug("metric families %r failed", families, exc_info=True)
 
     def describe(self) -> list[Any]:
         return []  # no samples at registration (nothing is collected then)
