@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tensorwire.collectives.sync_spec import PushSpec
 from tensorwire.errors import TensorwireError
@@ -19,7 +20,7 @@ from tensorwire.runtime import calls
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.agent.wire import peer_from_bytes
 
-__all__ = ["COMMIT", "Vote", "first_failure", "vote"]
+__all__ = ["COMMIT", "Vote", "ended_early", "first_failure", "vote"]
 
 COMMIT = b"commit"
 _DECISION = "decision"
@@ -100,4 +101,17 @@ def first_failure(outcomes: Sequence[tuple[str, calls.Outcome]]) -> str | None:
     for who, outcome in outcomes:
         if not outcome.ok:
             return f"{who} {'died' if outcome.failure is calls.CallFailure.ACTOR_DIED else 'failed'}: {outcome.reason}"
+    return None
+
+
+def ended_early(members: dict[Any, str], done: Sequence[Any], timeout_s: float) -> str | None:
+    """Why a push cannot commit, from the calls (``members``: call -> who) that ended before
+    the decision: a member that failed or died, or a receiver that ended without committing."""
+    outcomes = [(members[ref], calls.settle(ref, timeout_s=timeout_s)) for ref in done]
+    failure = first_failure(outcomes)
+    if failure is not None:
+        return failure
+    for who, outcome in outcomes:
+        if who.startswith("receiver") and not outcome.value.committed:
+            return f"{who} ended without committing: {outcome.value.refused}"
     return None

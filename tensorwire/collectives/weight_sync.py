@@ -43,9 +43,9 @@ from typing import Any
 import cloudpickle
 import torch
 
-from tensorwire.collectives import sync_hooks
+from tensorwire.collectives import join, sync_hooks
 from tensorwire.collectives.api import DEFAULT_TIMEOUT_S, check_actors, describe_actors
-from tensorwire.collectives.commit import Vote, first_failure
+from tensorwire.collectives.commit import Vote, ended_early
 from tensorwire.collectives.fanout import checksum
 from tensorwire.collectives.layout import HeldParam
 from tensorwire.collectives.plan import Fuse, Mapping, Plan, bucket_plan
@@ -149,7 +149,9 @@ class WeightSync:
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.name = name
         self.timeout_s = timeout_s
-        self.version = 0
+        self.version = 0  # the last version pushed
+        self.committed = 0  # the last version committed (all-or-none: by every receiver; "each": by one)
+        self._pushes = 0
         self._id = f"{id(self):x}-{time.monotonic_ns():x}"
         self._closed = False
         self._dead: set[int] = set()
@@ -157,6 +159,7 @@ class WeightSync:
         self._layouts: dict[int, tuple[HeldParam, ...]] = {}
         self._descriptions: dict[int, tuple[bytes, int]] = {}
         self._next_id = 0
+        self.caught_up: dict[int, str] = {}  # receiver id -> where its first version came from
         self._roles: tuple[Any, dict[int, bytes], dict[int, tuple[Role, ...]], int] | None = None
         mapping = Mapping.build(rename, fuse, scales)
         refs = [call_hook(t, sync_hooks.layout, source, "source") for t in trainers]
@@ -180,13 +183,21 @@ class WeightSync:
         return dict(self._layouts)
 
     @property
+    def receiver_ids(self) -> tuple[int, ...]:
+        """The receivers' ids, in the order of :attr:`receivers` and :meth:`versions`."""
+        return tuple(self._receivers)
+
+    @property
     def nbytes(self) -> int:
         """The largest receiver's bytes per push."""
         return max(self.plan.receiver_nbytes().values(), default=0)
 
-    def add_receiver(self, actor: ActorHandle) -> int:
-        """Plan a new receiver (between pushes); the others' plans stay. Returns its id
-        (the key of its entries in reports)."""
+    def add_receiver(self, actor: ActorHandle, *, catch_up: bool = True) -> int:
+        """Plan a new receiver (between pushes); the others' plans stay. Returns its id (the
+        key of its entries in reports) once it holds the last committed version (``catch_up``,
+        when there is one): copied from a live receiver with the same layout that holds it,
+        sparing the trainers, else pushed from the trainers (their tensors as they are now:
+        that version while they did not change since). ``caught_up[id]`` says which."""
         if self._closed:
             raise RuntimeError("this WeightSync was closed")
         check_actors([*self.trainers, *self._receivers.values(), actor], "WeightSync.add_receiver")
@@ -199,6 +210,12 @@ class WeightSync:
         self._receivers[receiver] = actor
         self._layouts[receiver] = layout
         self._descriptions[receiver] = description
+        if catch_up and self.committed:
+            try:
+                self.caught_up[receiver] = join.catch_up(self, receiver, self._push, self._dead)
+            except BaseException:
+                self.remove_receiver(receiver)
+                raise
         return receiver
 
     def remove_receiver(self, receiver: ActorHandle | int, *, timeout_s: float = 30.0) -> None:
@@ -292,19 +309,24 @@ class WeightSync:
         if self._closed:
             raise RuntimeError("this WeightSync was closed")
         self.version += 1
-        live = tuple(r for r in self._receivers if r not in self._dead)
+        report = self._push(tuple(r for r in self._receivers if r not in self._dead), self.version)
+        if report.receivers and (self.commit == "each" or report.ok):
+            self.committed = self.version
+        return report
+
+    def _push(self, live: tuple[int, ...], version: int) -> SyncReport:
+        """Push the trainers' tensors into the ``live`` receivers as ``version``."""
         key = (live, self.progress)
         if self._roles is None or self._roles[0] != key:
             self._roles = (key, *self._specs(live))
         _key, blobs, roles, buckets = self._roles
-        channel = f"tw-sync-{self._id}-{self.version}"
+        self._pushes += 1
+        channel = f"tw-sync-{self._id}-{self._pushes}"
         m = len(self.trainers)
         started, start = time.time(), time.perf_counter()
-        trainer_refs = [
-            call_hook(t, sync_hooks.send, blobs[i], self.version, channel) for i, t in enumerate(self.trainers)
-        ]
+        trainer_refs = [call_hook(t, sync_hooks.send, blobs[i], version, channel) for i, t in enumerate(self.trainers)]
         receiver_refs = {
-            r: call_hook(self._receivers[r], sync_hooks.receive, blobs[m + i], self.version, channel)
+            r: call_hook(self._receivers[r], sync_hooks.receive, blobs[m + i], version, channel)
             for i, r in enumerate(live)
         }
         vote = None
@@ -315,7 +337,7 @@ class WeightSync:
         members.update({ref: f"receiver {rid}" for rid, ref in receiver_refs.items()})
         self._wait(members, channel, roles, buckets, vote)
         seconds = time.perf_counter() - start
-        report = SyncReport(self.version, self.nbytes, buckets, seconds, 0.0, 0.0, 0.0, 0.0)
+        report = SyncReport(version, self.nbytes, buckets, seconds, 0.0, 0.0, 0.0, 0.0)
         for rid in self._receivers:
             if rid not in receiver_refs:
                 report.failed[rid] = "left out: it died in an earlier push"
@@ -350,7 +372,7 @@ class WeightSync:
                 self._telemetry(report, names, started, [*failed, f"trainer {i}"])
             if outcome.failure is calls.CallFailure.ACTOR_DIED:
                 error = TensorwireError(
-                    f"weight sync v{self.version}: trainer {i} ({self.trainers[i]!r}) died during the push: "
+                    f"weight sync v{version}: trainer {i} ({self.trainers[i]!r}) died during the push: "
                     f"{outcome.reason}; make a new WeightSync over live trainers"
                 )
                 error.report = report  # type: ignore[attr-defined]
@@ -394,7 +416,7 @@ class WeightSync:
                 if vote is not None and vote.decision is None:
                     vote.collect()
                     done, pending = calls.wait_all(pending, timeout_s=0.0)
-                    vote.decide(self._failure(members, done))
+                    vote.decide(ended_early(members, done, self.timeout_s))
                 else:
                     _done, pending = calls.wait_all(pending, timeout_s=0.1)
                 if not self.progress:
@@ -410,18 +432,6 @@ class WeightSync:
         finally:
             agent.rendezvous_forget(channel)
             bar.close()
-
-    def _failure(self, members: dict[Any, str], done: list[Any]) -> str | None:
-        """Why a push cannot commit, from the calls that ended before the decision: a member
-        that failed or died, or a receiver that ended without committing."""
-        outcomes = [(members[ref], calls.settle(ref, timeout_s=self.timeout_s)) for ref in done]
-        failure = first_failure(outcomes)
-        if failure is not None:
-            return failure
-        for who, outcome in outcomes:
-            if who.startswith("receiver") and not outcome.value.committed:
-                return f"{who} ended without committing: {outcome.value.refused}"
-        return None
 
     # ------------------------------------------------------------------ state
 

@@ -43,7 +43,9 @@ def test_rl_weight_sync_learns_and_syncs_every_iteration():
     assert [int(r[0]) for r in rows] == list(range(1, 13))
     rewards = [float(r[1]) for r in rows]
     assert sum(rewards[-3:]) > 2 * sum(rewards[:3]), rewards  # the policy learns
-    assert all(r[5] == "shm" for r in rows)  # read from the learner's staging slots
+    # 18 KiB, read in place (small enough to travel inside the bucket's message: inline) or, where
+    # this machine's process_vm_readv is slow, from the learner's staging ring (shm)
+    assert all(r[5] in ("inline", "shm") for r in rows), rows
     assert "hold weight version [13, 13]" in out  # the first push, then one per iteration
 
 
