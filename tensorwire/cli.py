@@ -157,7 +157,7 @@ def _check_transport(
         if where == OTHER_NODE and not caps.cross_node:
             continue
         status, detail = ask(conn, (tw.put(value), name, device), timeout_s=60)
-        if status == "timeout":
+        if status in ("timeout", "died"):
             status, detail = "fail", f"{where}: {detail}"
         elif status == "ok" and detail != expected:
             status, detail = "fail", "data arrived corrupted"

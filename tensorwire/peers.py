@@ -85,11 +85,15 @@ def _serve(conn: Any, env: dict[str, str], task: Callable[..., Any]) -> None:
 
 
 def ask(conn: Any, message: tuple[Any, ...], timeout_s: float) -> tuple[str, Any]:
-    """Send ``message`` to a peer; its answer, or ``("timeout", ...)`` if none came in time."""
-    conn.send(message)
-    if not conn.poll(timeout_s):
-        return "timeout", f"no answer within {timeout_s:.0f} s"
-    return conn.recv()
+    """Send ``message`` to a peer; its answer, ``("timeout", ...)`` if none came in time, or
+    ``("died", ...)`` as soon as the peer process is gone (its end of the pipe closed)."""
+    try:
+        conn.send(message)
+        if not conn.poll(timeout_s):
+            return "timeout", f"no answer within {timeout_s:.0f} s"
+        return conn.recv()
+    except (EOFError, OSError) as e:
+        return "died", f"the peer process exited before answering ({type(e).__name__})"
 
 
 @contextlib.contextmanager
@@ -103,6 +107,7 @@ def spawn(task: Callable[..., Any], envs: dict[str, dict[str, str]]) -> Iterator
             parent, child = ctx.Pipe()
             process = ctx.Process(target=_serve, args=(child, env, task), daemon=True)
             process.start()
+            child.close()  # the peer holds the only other end: its exit reads as EOF here
             started[name] = (parent, process)
         yield {name: conn for name, (conn, _) in started.items()}
     finally:
