@@ -33,6 +33,8 @@ class SyncReport:
         pairs: (source, destination, transport) -> :class:`.sync_telemetry.PairStats` (bytes,
             buckets, seconds, errors), sources and destinations named "trainer i" / "receiver j".
         timeline: Every bucket a receiver that completed took in (:class:`.sync_telemetry.PairSpan`).
+        replaced: Trainer that died during the push -> why; the push completed from the others
+            (failover), and the trainer is out of the sync.
     """
 
     version: int
@@ -49,6 +51,7 @@ class SyncReport:
     in_place_nbytes: int = 0
     moved_nbytes: int = 0
     plan_nbytes: int = 0
+    replaced: dict[str, str] = field(default_factory=dict)
     pairs: dict[tuple[str, str, str], PairStats] = field(default_factory=dict)
     timeline: list[PairSpan] = field(default_factory=list)
 

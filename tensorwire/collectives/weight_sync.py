@@ -45,15 +45,16 @@ import torch
 
 from tensorwire.collectives import join, sync_hooks
 from tensorwire.collectives.api import DEFAULT_TIMEOUT_S, check_actors, describe_actors
-from tensorwire.collectives.commit import Vote, ended_early
+from tensorwire.collectives.commit import Vote
+from tensorwire.collectives.failover import replan_without
 from tensorwire.collectives.fanout import checksum
 from tensorwire.collectives.layout import HeldParam
 from tensorwire.collectives.plan import Fuse, Mapping, Plan, bucket_plan
+from tensorwire.collectives.push_wait import PushWait
 from tensorwire.collectives.sync_hooks import PushSpec, ReceiveResult, Role, assign_roles, weight_version
 from tensorwire.collectives.sync_report import SyncReport
 from tensorwire.collectives.sync_telemetry import pairs_of, record
 from tensorwire.errors import TensorwireError
-from tensorwire.progress import ProgressBar
 from tensorwire.runtime import calls
 from tensorwire.runtime.actor import ActorHandle
 from tensorwire.runtime.hooks import call_hook
@@ -309,7 +310,16 @@ class WeightSync:
         if self._closed:
             raise RuntimeError("this WeightSync was closed")
         self.version += 1
-        report = self._push(tuple(r for r in self._receivers if r not in self._dead), self.version)
+        replaced: dict[str, str] = {}
+        while True:
+            try:
+                report = self._push(tuple(r for r in self._receivers if r not in self._dead), self.version)
+                break
+            except TensorwireError as e:  # a trainer died: complete from the others when they hold it all
+                dead = getattr(e, "trainer", None)
+                if dead is None or not self._fail_over(dead, e, replaced):
+                    raise
+        report.replaced = replaced
         if report.receivers and (self.commit == "each" or report.ok):
             self.committed = self.version
         return report
@@ -335,7 +345,9 @@ class WeightSync:
             vote = Vote(channel, ranks, timeout_s=self.timeout_s)
         members = {ref: f"trainer {i}" for i, ref in enumerate(trainer_refs)}
         members.update({ref: f"receiver {rid}" for rid, ref in receiver_refs.items()})
-        self._wait(members, channel, roles, buckets, vote)
+        trainer_roles = [role for rank in range(m) for role in roles[rank]]
+        waiting = PushWait(version, buckets, self.plan.nbytes, progress=self.progress, timeout_s=self.timeout_s)
+        waiting.wait(members, channel, trainer_roles, vote)
         seconds = time.perf_counter() - start
         report = SyncReport(version, self.nbytes, buckets, seconds, 0.0, 0.0, 0.0, 0.0)
         for rid in self._receivers:
@@ -372,10 +384,9 @@ class WeightSync:
                 self._telemetry(report, names, started, [*failed, f"trainer {i}"])
             if outcome.failure is calls.CallFailure.ACTOR_DIED:
                 error = TensorwireError(
-                    f"weight sync v{version}: trainer {i} ({self.trainers[i]!r}) died during the push: "
-                    f"{outcome.reason}; make a new WeightSync over live trainers"
+                    f"weight sync v{version}: trainer {i} ({self.trainers[i]!r}) died during the push: {outcome.reason}"
                 )
-                error.report = report  # type: ignore[attr-defined]
+                error.report, error.trainer = report, i  # type: ignore[attr-defined]
                 raise error from None
             if outcome.error is not None:  # the trainer failed (Ray's error carrying it), or timed out
                 outcome.error.report = report  # type: ignore[attr-defined]
@@ -386,52 +397,27 @@ class WeightSync:
         self._telemetry(report, names, started, failed)
         return report
 
+    def _fail_over(self, dead: int, error: TensorwireError, replaced: dict[str, str]) -> bool:
+        """Drop trainer ``dead`` and plan over the others; False (the error gets why) when they
+        do not hold every receiver's bytes."""
+        receivers = {rid: layout for rid, layout in self._layouts.items() if rid not in self._dead}
+        plan, why = replan_without(dead, self._trainer_layouts, self.plan.mapping, receivers)
+        if plan is None:
+            error.args = (f"{error.args[0]}; no failover: {why}; the receivers keep the version they had",)
+            return False
+        logger.warning("weight sync %s: trainer %d died; pushing again from the others", self.name, dead)
+        replaced[f"trainer {dead}"] = error.args[0]
+        keep = [i for i in range(len(self.trainers)) if i != dead]
+        self.trainers = tuple(self.trainers[i] for i in keep)
+        self._trainer_layouts = [self._trainer_layouts[i] for i in keep]
+        self._trainer_descriptions = [self._trainer_descriptions[i] for i in keep]
+        self.plan, self._roles = plan, None
+        return True
+
     def _telemetry(self, report: SyncReport, names: dict[int, str], started: float, failed: list[str]) -> None:
         """The push's per-pair view (report.pairs, report.timeline), added to the Prometheus totals."""
         report.pairs, report.timeline = pairs_of(report.receivers, names, started, failed)
         record(self.name, report.pairs)
-
-    def _wait(
-        self,
-        members: dict[Any, str],
-        channel: str,
-        roles: dict[int, tuple[Role, ...]],
-        buckets: int,
-        vote: Vote | None,
-    ) -> None:
-        """Wait for the push (bounded), drawing progress from the trainers' messages and, for
-        an all-or-none commit, deciding it: commit once every receiver is ready, abort as soon
-        as a member failed or a receiver ended without committing."""
-        pending = list(members)
-        deadline = time.monotonic() + self.timeout_s * (buckets + 2)
-        agent = runtime_agent()
-        expected = [(role.stream, len(role.buckets)) for rank in range(len(self.trainers)) for role in roles[rank]]
-        settled = dict.fromkeys((s for s, _n in expected), 0)
-        bar = ProgressBar(buckets, desc=f"weight sync v{self.version}", unit="bucket", enabled=self.progress)
-        bar.step(f"{self.plan.nbytes / 2**20:.0f} MiB in all", 0)
-        try:
-            while pending:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"weight sync v{self.version} did not finish in time")
-                if vote is not None and vote.decision is None:
-                    vote.collect()
-                    done, pending = calls.wait_all(pending, timeout_s=0.0)
-                    vote.decide(ended_early(members, done, self.timeout_s))
-                else:
-                    _done, pending = calls.wait_all(pending, timeout_s=0.1)
-                if not self.progress:
-                    continue
-                for stream, count in expected:
-                    while settled[stream] < count:
-                        try:
-                            agent.rendezvous_take(channel, f"progress/{stream}/{settled[stream]}", timeout_s=0.0)
-                        except TensorwireError:
-                            break
-                        settled[stream] += 1
-                bar.advance_to(sum(settled.values()))
-        finally:
-            agent.rendezvous_forget(channel)
-            bar.close()
 
     # ------------------------------------------------------------------ state
 

@@ -1,0 +1,64 @@
+"""The driver's wait for one weight-sync push: bounded, drawing the progress bar from the
+trainers' messages, and deciding an all-or-none vote (:mod:`.commit`) while the members run."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tensorwire.collectives.commit import Vote, ended_early
+from tensorwire.collectives.sync_spec import Role
+from tensorwire.errors import TensorwireError
+from tensorwire.progress import ProgressBar
+from tensorwire.runtime import calls
+from tensorwire.runtime.ray_env import agent as runtime_agent
+
+__all__ = ["PushWait"]
+
+
+@dataclass(frozen=True)
+class PushWait:
+    """How to wait for push ``version`` of ``buckets`` buckets (``nbytes`` in all)."""
+
+    version: int
+    buckets: int
+    nbytes: int
+    progress: bool
+    timeout_s: float
+
+    def wait(self, members: dict[Any, str], channel: str, trainer_roles: Sequence[Role], vote: Vote | None) -> None:
+        """Wait until every member's call (``members``: call -> who) ended, within the push's
+        deadline. With a ``vote``: commit once every receiver is ready, abort as soon as a
+        member failed or a receiver ended without committing."""
+        pending = list(members)
+        deadline = time.monotonic() + self.timeout_s * (self.buckets + 2)
+        agent = runtime_agent()
+        expected = [(role.stream, len(role.buckets)) for role in trainer_roles]
+        settled = dict.fromkeys((s for s, _n in expected), 0)
+        bar = ProgressBar(self.buckets, desc=f"weight sync v{self.version}", unit="bucket", enabled=self.progress)
+        bar.step(f"{self.nbytes / 2**20:.0f} MiB in all", 0)
+        try:
+            while pending:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"weight sync v{self.version} did not finish in time")
+                if vote is not None and vote.decision is None:
+                    vote.collect()
+                    done, pending = calls.wait_all(pending, timeout_s=0.0)
+                    vote.decide(ended_early(members, done, self.timeout_s))
+                else:
+                    _done, pending = calls.wait_all(pending, timeout_s=0.1)
+                if not self.progress:
+                    continue
+                for stream, count in expected:
+                    while settled[stream] < count:
+                        try:
+                            agent.rendezvous_take(channel, f"progress/{stream}/{settled[stream]}", timeout_s=0.0)
+                        except TensorwireError:
+                            break
+                        settled[stream] += 1
+                bar.advance_to(sum(settled.values()))
+        finally:
+            agent.rendezvous_forget(channel)
+            bar.close()
