@@ -167,6 +167,7 @@ class WeightSync:
         layouts = calls.gather(refs, timeout_s=timeout_s)
         self._trainer_layouts = [tuple(layout) for layout in layouts]
         self._trainer_descriptions = describe_actors(trainers, timeout_s)
+        self._trainer_ids = list(range(len(trainers)))  # names stay when a trainer drops out
         self.plan = Plan(self._trainer_layouts, mapping)
         for actor in receivers:
             self.add_receiver(actor)
@@ -311,6 +312,7 @@ class WeightSync:
             raise RuntimeError("this WeightSync was closed")
         self.version += 1
         replaced: dict[str, str] = {}
+        start = time.perf_counter()
         while True:
             try:
                 report = self._push(tuple(r for r in self._receivers if r not in self._dead), self.version)
@@ -319,7 +321,7 @@ class WeightSync:
                 dead = getattr(e, "trainer", None)
                 if dead is None or not self._fail_over(dead, e, replaced):
                     raise
-        report.replaced = replaced
+        report.replaced, report.seconds = replaced, time.perf_counter() - start  # every try
         if report.receivers and (self.commit == "each" or report.ok):
             self.committed = self.version
         return report
@@ -343,7 +345,7 @@ class WeightSync:
         if self.commit == "all":
             ranks = {m + i: self._descriptions[r][0] for i, r in enumerate(live)}
             vote = Vote(channel, ranks, timeout_s=self.timeout_s)
-        members = {ref: f"trainer {i}" for i, ref in enumerate(trainer_refs)}
+        members = {ref: self._trainer_name(i) for i, ref in enumerate(trainer_refs)}
         members.update({ref: f"receiver {rid}" for rid, ref in receiver_refs.items()})
         trainer_roles = [role for rank in range(m) for role in roles[rank]]
         waiting = PushWait(version, buckets, self.plan.nbytes, progress=self.progress, timeout_s=self.timeout_s)
@@ -374,17 +376,18 @@ class WeightSync:
             report.transfer_s = max(report.transfer_s, result.transfer_s)
             report.unpack_s = max(report.unpack_s, result.unpack_s)
             report.verify_s = max(report.verify_s, result.verify_s)
-        names = {i: f"trainer {i}" for i in range(m)} | {m + i: f"receiver {r}" for i, r in enumerate(live)}
+        names = {i: self._trainer_name(i) for i in range(m)} | {m + i: f"receiver {r}" for i, r in enumerate(live)}
         failed = [
             f"receiver {r}" for r, why in report.failed.items() if not why.startswith(("left out", "not committed"))
         ]
         for i, ref in enumerate(trainer_refs):
             outcome = calls.settle(ref, timeout_s=self.timeout_s)
             if not outcome.ok:
-                self._telemetry(report, names, started, [*failed, f"trainer {i}"])
+                self._telemetry(report, names, started, [*failed, self._trainer_name(i)])
             if outcome.failure is calls.CallFailure.ACTOR_DIED:
                 error = TensorwireError(
-                    f"weight sync v{version}: trainer {i} ({self.trainers[i]!r}) died during the push: {outcome.reason}"
+                    f"weight sync v{version}: {self._trainer_name(i)} ({self.trainers[i]!r}) died during the push: "
+                    f"{outcome.reason}"
                 )
                 error.report, error.trainer = report, i  # type: ignore[attr-defined]
                 raise error from None
@@ -405,14 +408,18 @@ class WeightSync:
         if plan is None:
             error.args = (f"{error.args[0]}; no failover: {why}; the receivers keep the version they had",)
             return False
-        logger.warning("weight sync %s: trainer %d died; pushing again from the others", self.name, dead)
-        replaced[f"trainer {dead}"] = error.args[0]
+        logger.warning("weight sync %s: %s died; pushing again from the others", self.name, self._trainer_name(dead))
+        replaced[self._trainer_name(dead)] = error.args[0]
         keep = [i for i in range(len(self.trainers)) if i != dead]
         self.trainers = tuple(self.trainers[i] for i in keep)
         self._trainer_layouts = [self._trainer_layouts[i] for i in keep]
         self._trainer_descriptions = [self._trainer_descriptions[i] for i in keep]
+        self._trainer_ids = [self._trainer_ids[i] for i in keep]
         self.plan, self._roles = plan, None
         return True
+
+    def _trainer_name(self, position: int) -> str:
+        return f"trainer {self._trainer_ids[position]}"
 
     def _telemetry(self, report: SyncReport, names: dict[int, str], started: float, failed: list[str]) -> None:
         """The push's per-pair view (report.pairs, report.timeline), added to the Prometheus totals."""

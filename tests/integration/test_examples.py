@@ -49,6 +49,15 @@ def test_rl_weight_sync_learns_and_syncs_every_iteration():
     assert "hold weight version [13, 13]" in out  # the first push, then one per iteration
 
 
+def test_rl_fleet_fails_over_takes_a_late_joiner_and_tags_rollouts_with_the_committed_version():
+    out = run_example("rl_fleet.py")
+    assert "push v2: on every replica" in out and "trainer 2 died mid-push" in out  # failover
+    assert "completed from its replica" in out and "from trainer 0, trainer 1, trainer 3" in out
+    assert "a new replica joined at v2, copied from receiver" in out  # from a peer, not the trainers
+    assert "rollouts (version, score): (v3," in out and out.count("(v3,") == 4
+    assert "done: every replica at v3 = the trainers' model" in out
+
+
 def test_ray_idioms():
     out = run_example("ray_idioms.py")
     assert "Ray's own reference, tensor transport TENSORWIRE" in out
