@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import logging
 import os
 import struct
 import time
@@ -42,7 +43,22 @@ from tensorwire.errors import TensorwireError
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.packing import byte_view, packed_layout
 
-__all__ = ["BucketKind", "Fanout", "checksum", "message", "parse_message", "read_slot", "release", "serving"]
+__all__ = [
+    "BucketKind",
+    "Fanout",
+    "checksum",
+    "in_place",
+    "message",
+    "mixed_payload",
+    "parse_message",
+    "parse_mixed",
+    "read_slot",
+    "release",
+    "serving",
+    "stage",
+]
+
+logger = logging.getLogger(__name__)
 
 IN_FLIGHT = 2  # buckets published at once by a server (double buffering)
 READS_ENV = "TENSORWIRE_SYNC_READS"  # auto (default), in-place or ring: how same-node readers read host pieces
@@ -245,8 +261,9 @@ class Fanout:
         use_ring = self._staging is not None and transport in ("", self._staging.name)
         self._local = {c for c in children if use_ring and channel.members[c].peer.same_node(me)}
         self._reads = os.environ.get(READS_ENV, "auto").strip() or "auto"
-        if self._reads not in ("auto", "in-place", "ring"):
-            raise ValueError(f"{READS_ENV}={self._reads!r}: expected auto, in-place or ring")
+        if self._reads not in ("auto", "in-place", "ring"):  # (raising here, before serving, would strand the readers)
+            logger.warning("%s=%r: expected auto, in-place or ring; using auto", READS_ENV, self._reads)
+            self._reads = "auto"
         self.offered = 0  # buckets handed on so far: the children wait for this one next
         self._outstanding: collections.deque[tuple[int, list[Any], list[int], int]] = collections.deque()
         self._on_done = on_done  # called with k once every child acknowledged bucket k (or none was left)

@@ -34,6 +34,7 @@ def catch_up(sync: Any, rid: int, push_to: Callable[[tuple[int, ...], int], Any]
     source = next((r for r in replicas if held.get(r) == version), None)
     if source is None:
         report = push_to((rid,), version)
+        done, why = rid in report.receivers, report.failed.get(rid, "no result")  # (others: left out, if dead)
         where = "trainers"
     else:
         actors = dict(zip(sync.receiver_ids, sync.receivers, strict=True))
@@ -43,6 +44,8 @@ def catch_up(sync: Any, rid: int, push_to: Callable[[tuple[int, ...], int], Any]
             source=sync.target,
             target=sync.target,
             commit="each",
+            on_commit=sync.on_commit,
+            fence=sync.fence,
             name=sync.name,
             progress=False,
             bucket_bytes=sync.bucket_bytes,
@@ -51,11 +54,12 @@ def catch_up(sync: Any, rid: int, push_to: Callable[[tuple[int, ...], int], Any]
         try:
             one_off.version = version - 1
             report = one_off.push()
+            done, why = report.ok, str(report.failed)
         finally:
             one_off.close()
         where = f"receiver {source}"
-    if not report.ok:
+    if not done:
         raise TensorwireError(
-            f"weight sync {sync.name}: receiver {rid} could not catch up to v{version} from {where}: {report.failed}"
+            f"weight sync {sync.name}: receiver {rid} could not catch up to v{version} from {where}: {why}"
         )
     return where

@@ -17,7 +17,7 @@ import torch
 
 from tensorwire.collectives.sync_spec import PushSpec
 
-__all__ = ["commit", "destinations", "quantise", "release", "weight_fence", "weight_version"]
+__all__ = ["check_commit", "commit", "destinations", "quantise", "release", "weight_fence", "weight_version"]
 
 _versions: dict[str, int] = {}
 _fences: dict[str, threading.Lock] = {}
@@ -95,6 +95,15 @@ def _fence(actor: object, spec: PushSpec) -> Iterator[None]:
         raise AttributeError(f"the receiver ({type(actor).__name__}) has no fence attribute {spec.fence!r}")
     with fence() if callable(fence) and not hasattr(fence, "__enter__") else fence:
         yield
+
+
+def check_commit(actor: object, spec: PushSpec) -> None:
+    """Raise now what :func:`commit` would: a fence attribute or ``on_commit`` method the
+    receiver does not have (before an all-or-none vote, so that the push aborts for all)."""
+    if spec.atomic and spec.fence is not None and getattr(actor, spec.fence, None) is None:
+        raise AttributeError(f"the receiver ({type(actor).__name__}) has no fence attribute {spec.fence!r}")
+    if isinstance(spec.on_commit, str) and not callable(getattr(actor, spec.on_commit, None)):
+        raise AttributeError(f"the receiver ({type(actor).__name__}) has no on_commit method {spec.on_commit!r}")
 
 
 def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:

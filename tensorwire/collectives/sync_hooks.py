@@ -386,6 +386,7 @@ def receive(
                 for ack in acks:
                     ack()
                 receiver_state.quantise(spec, targets, dsts)
+                receiver_state.check_commit(actor, spec)  # a missing fence or hook fails before the vote
                 refused = commit_vote(spec) if spec.commit == "all" else None
                 if refused is None:
                     receiver_state.commit(actor, spec, targets)

@@ -67,6 +67,7 @@ class PushSpec:
     scales: tuple[tuple[int, int], ...] = ()  # receiver: (float8 param, its scale param)
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     commit: str = "each"  # receiver: "all" (vote, commit on the driver's word) or "each" (on its own)
+    deadline_s: float = 0.0  # the push's whole deadline (the driver decides a vote within it)
     on_commit: str | Callable[[object, int], None] | None = None  # receiver: run once per commit
 
 

@@ -27,7 +27,8 @@ inside the fence). ``on_commit`` runs in a receiver once per version it commits;
 Membership: ``add_receiver`` / ``remove_receiver`` between pushes plan only that receiver. A
 receiver that dies mid-push is dropped (``report.failed``) and left out later; under
 ``commit="each"`` the others complete. A trainer that dies or fails fails the push with an error
-naming it.
+naming it; a trainer that dies while the trainers left hold every receiver's bytes is
+replaced and the push runs again, same version (:mod:`.failover`).
 """
 
 from __future__ import annotations
@@ -290,6 +291,7 @@ class WeightSync:
                 scales=scales,
                 transform=self.transform if trainer else None,
                 commit=self.commit,
+                deadline_s=self.timeout_s * (buckets + 2),  # as the driver's wait (push_wait.PushWait)
                 on_commit=None if trainer else self.on_commit,
             )
             try:  # the C pickler: tens of times faster than cloudpickle on thousands of small records
@@ -304,9 +306,12 @@ class WeightSync:
         Receivers that die or fail are listed in ``report.failed`` (and left out of later
         pushes if they died); the others are complete.
 
+        A trainer that dies mid-push is dropped and the push runs again from the others when
+        they hold every receiver's bytes (``report.replaced``).
+
         Raises:
-            TensorwireError: A trainer died or failed (the message names it; ``.report`` has
-                what the receivers did).
+            TensorwireError: A trainer failed, or died with no other trainer holding its bytes
+                (the message names it and why; ``.report`` has what the receivers did).
         """
         if self._closed:
             raise RuntimeError("this WeightSync was closed")
@@ -322,7 +327,8 @@ class WeightSync:
                 if dead is None or not self._fail_over(dead, e, replaced):
                     raise
         report.replaced, report.seconds = replaced, time.perf_counter() - start  # every try
-        if report.receivers and (self.commit == "each" or report.ok):
+        committed_all = not any(not why.startswith("left out") for why in report.failed.values())
+        if report.receivers and (self.commit == "each" or committed_all):
             self.committed = self.version
         return report
 
@@ -352,9 +358,8 @@ class WeightSync:
         waiting.wait(members, channel, trainer_roles, vote)
         seconds = time.perf_counter() - start
         report = SyncReport(version, self.nbytes, buckets, seconds, 0.0, 0.0, 0.0, 0.0)
-        for rid in self._receivers:
-            if rid not in receiver_refs:
-                report.failed[rid] = "left out: it died in an earlier push"
+        for rid in self._dead:
+            report.failed[rid] = "left out: it died in an earlier push"
         for rid, ref in receiver_refs.items():
             outcome = calls.settle(ref, timeout_s=self.timeout_s)
             if outcome.failure is calls.CallFailure.ACTOR_DIED:
@@ -416,6 +421,7 @@ class WeightSync:
         self._trainer_descriptions = [self._trainer_descriptions[i] for i in keep]
         self._trainer_ids = [self._trainer_ids[i] for i in keep]
         self.plan, self._roles = plan, None
+        self._release_staging(self.timeout_s)  # ranks and streams are numbered anew: the old staging goes
         return True
 
     def _trainer_name(self, position: int) -> str:
@@ -466,6 +472,10 @@ class WeightSync:
         if self._closed:
             return
         self._closed = True
+        self._release_staging(timeout_s)
+
+    def _release_staging(self, timeout_s: float) -> None:
+        """Every member frees what this sync keeps there (staging, mappings, shadows)."""
         refs = [call_hook(a, sync_hooks.release, self._id) for a in (*self.trainers, *self._receivers.values())]
         # One deadline for all (bounded whatever the number of actors); late ones are named.
         done, late = calls.wait_all(refs, timeout_s=validate_timeout(timeout_s))

@@ -41,7 +41,18 @@ def test_a_receiver_killed_mid_push_commits_nobody_and_the_next_push_commits_the
     assert set(report.failed) == {1} and set(report.receivers) == {0, 2}
     assert digests(live) == [ray.get(trainer.digest.remote())] * 2
     assert sync.versions() == [3, -1, 3]
+    assert sync.committed == 3  # the live receivers all committed it (the dead one is left out)
     assert ray.get([r.commits_seen.remote() for r in live]) == [[("method", 1), ("method", 3)]] * 2
+    sync.close()
+
+
+def test_a_receiver_without_the_named_fence_aborts_the_push_for_all(ray_local):
+    _trainer, _receivers, sync = make(receivers=2, fence="no_such_fence")
+    report = sync.push()
+    assert set(report.failed) == {0, 1} and all(
+        "no fence attribute 'no_such_fence'" in w for w in report.failed.values()
+    )
+    assert sync.versions() == [0, 0] and sync.committed == 0
     sync.close()
 
 

@@ -53,3 +53,16 @@ def test_without_a_replica_the_joiner_is_pushed_from_the_trainers_and_a_fresh_sy
     sync.add_receiver(skipped, catch_up=False)
     assert sync.versions() == [1, 0]
     sync.close()
+
+
+def test_a_joiner_of_another_layout_is_pushed_from_the_trainers_while_the_others_stay(ray_local):
+    trainer, receivers = holder(seed=1), [holder(), holder()]
+    sync = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=1 << 20)
+    assert sync.push().ok
+    half = Holder.remote(16, NBYTES // 2, seed=None)  # the first 16 of the 32 tensors: no replica has it
+    rid = sync.add_receiver(half)
+    assert sync.caught_up == {rid: "trainers"} and sync.versions() == [1, 1, 1]
+    trainer_weights, got = ray.get([trainer.sizes.remote(), half.sizes.remote()])
+    assert got == trainer_weights[:16]
+    assert sync.push().ok and sync.versions() == [2, 2, 2]
+    sync.close()

@@ -118,8 +118,8 @@ def unavailable_reason() -> str | None:
 
 def speed_vs_memcpy() -> float:
     """How fast ``process_vm_readv`` copies here, as a share of ``memcpy`` (measured once per
-    process on 8 MiB of our own memory, best of 3 each: about 10 ms). A VM that traps page
-    pinning makes it slow: 0.5 on the 2-core build VM, about 1 on bare metal."""
+    process on 32 MiB of our own memory, best of 3 each: about 30 ms, in the first weight-sync
+    bucket a process serves). 0.8-0.9 on the 2-core build VM (0.76 from another process)."""
     if not _speed:
         with _lock:
             if not _speed:
