@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tests.helpers import observe
@@ -98,17 +99,30 @@ def _new_segments(before: Snapshot) -> dict[int, frozenset[int]]:
     }
 
 
+def _collecting(check: Callable[[], bool]) -> Callable[[], bool]:
+    """``check``, garbage-collecting before each retry: a cycle (e.g. through a caught
+    exception's traceback) may hold references to objects of this or another process, and it
+    may become garbage only after a first collection ran (a pool thread that raised drops its
+    work item a moment after the caller saw the error)."""
+
+    def collected_then_check() -> bool:
+        if check():
+            return True
+        gc.collect()
+        return check()
+
+    return collected_then_check
+
+
 def leaks_since(before: Snapshot, *, settle_s: float = 10.0) -> list[str]:
     """What leaked since ``before``, as readable lines (empty: nothing). Releases by holders in
     other processes arrive asynchronously, so each count gets ``settle_s`` to come back; what a
     garbage collection frees (references in a cycle, e.g. through a caught exception's
     traceback) is not a leak."""
     problems = []
-    if owned_objects() > before.owned or _new_segments(before):
-        gc.collect()  # a cycle here may hold references to objects of this or another process
-    if not wait_until(lambda: owned_objects() <= before.owned, settle_s):
+    if not wait_until(_collecting(lambda: owned_objects() <= before.owned), settle_s):
         problems.append(f"this process's agent owns {owned_objects()} object(s), {before.owned} before the test")
-    if not wait_until(lambda: not _new_segments(before), settle_s):
+    if not wait_until(_collecting(lambda: not _new_segments(before)), settle_s):
         left = _new_segments(before)
         owners = "; ".join(f"inode {inode}: {_owner(pids)}" for inode, pids in sorted(left.items()))
         problems.append(f"shared-memory segments left behind: {owners}")
