@@ -8,9 +8,9 @@ a member *publishes* tensors as an object of its agent and sends the others an
 is unpickled); they fetch it over the transport the selector picks for their pair (shm
 from one segment for every same-node member, cuda_ipc on one GPU, ucx/gloo across nodes).
 
-Every wait has a deadline and looks every quarter second whether the member it waits for
-still runs, so a dead member fails the wait in well under a second on one machine (by the
-deadline on another machine).
+Every wait has a deadline and looks every 50 ms (:data:`CHECK_EVERY_S`: a look at ``/proc``)
+whether the member it waits for still runs, so a dead member fails the wait at once on one
+machine (by the deadline on another machine).
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ from tensorwire.transport.agent.wire import decode_announcement, encode_announce
 from tensorwire.transport.contract import ObjectDescriptor, PeerInfo
 from tensorwire.transport.waiting import wait_until
 
-__all__ = ["Channel", "Fetched", "Member", "describe_self", "member_from"]
+__all__ = ["CHECK_EVERY_S", "Channel", "Fetched", "Member", "describe_self", "member_from"]
+
+
+CHECK_EVERY_S = 0.05  # how often a member's wait looks whether the member it waits for still runs
 
 
 class Fetched(NamedTuple):
@@ -97,8 +100,13 @@ class Channel:
 
         return done
 
-    def recv(self, rank: int, key: str, timeout_s: float | None = None) -> bytes:
+    def recv(
+        self, rank: int, key: str, timeout_s: float | None = None, *, check: Callable[[], None] | None = None
+    ) -> bytes:
         """Take the value member ``rank`` sent under ``key``, waiting for it.
+
+        ``check`` runs with the liveness check (every :data:`CHECK_EVERY_S`) and may raise to
+        stop waiting (a weight-sync receiver looks whether the driver aborted the push).
 
         Raises:
             PeerLostError: Member ``rank`` exited before sending.
@@ -111,31 +119,37 @@ class Channel:
             except TransferTimeoutError:
                 return None
 
-        def check() -> None:
+        def alive_and_wanted() -> None:
             if not self.alive(rank):
                 raise PeerLostError(f"group {self.name}: member {rank} exited (waiting for {key!r})")
+            if check is not None:
+                check()
 
         return wait_until(
             take,
             deadline=time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s),
             what=f"group {self.name}: {key!r} from member {rank}",
-            check=check,
+            check=alive_and_wanted,
+            check_every_s=CHECK_EVERY_S,
         )
 
     def alive(self, rank: int) -> bool:
         """False once member ``rank``'s process is known to have exited."""
         return self._agent.peer_may_be_alive(self.members[rank].peer)
 
-    def publish(self, tensors: Sequence[torch.Tensor], *, export: bool = True) -> tuple[ObjectDescriptor, bytes, int]:
+    def publish(
+        self, tensors: Sequence[torch.Tensor], *, export: bool = True, across_nodes: bool = True
+    ) -> tuple[ObjectDescriptor, bytes, int]:
         """Register ``tensors`` (contiguous) as an object of this member, to be read by others.
 
         Returns its descriptor, the announcement to send, and the bytes the one-sided exports
         hold beyond the tensors (a segment copy). ``export``: make one-sided exports now (a
         shared-memory segment, for readers on this node); without it readers that need one ask
-        for it. Free with :meth:`unpublish`.
+        for it. ``across_nodes=False``: every reader is on this node (exports for other nodes
+        are not made). Free with :meth:`unpublish`.
         """
         desc = register_tensors(list(tensors))
-        handles = self._agent.export_handles(desc) if export else {}
+        handles = self._agent.export_handles(desc, across_nodes=across_nodes) if export else {}
         desc = self._agent.described_now(desc)  # the connection info the exports published
         return desc, encode_announcement(desc, handles), self._agent.export_nbytes(desc)
 

@@ -6,6 +6,11 @@ channel) and waits for the decision in its own mailbox: ``commit``, or ``abort: 
 driver commits when every receiver of the push is ready; a receiver or trainer that failed or
 died first makes it abort them all, so every receiver keeps the version it had, bit for bit. A
 receiver that hears nothing within its deadline (the driver gone) keeps its version too.
+
+While they read, receivers look for an abort (:func:`abort_check`: they stop at once instead of
+waiting for buckets that will not come), and tell the driver about a trainer that *stalled*
+(:func:`report_stall`: no next bucket within ``stall_s``); the driver collects those
+(:func:`stalled`) and replaces the trainer (:mod:`.failover`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from tensorwire.runtime import calls
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.agent.wire import peer_from_bytes
 
-__all__ = ["COMMIT", "Vote", "ended_early", "first_failure", "vote"]
+__all__ = ["COMMIT", "Vote", "abort_check", "ended_early", "first_failure", "report_stall", "stalled", "vote"]
 
 COMMIT = b"commit"
 _DECISION = "decision"
@@ -43,6 +48,48 @@ def vote(spec: PushSpec) -> str | None:
     except TensorwireError as e:
         return f"no decision from the driver: {e}"
     return None if decision == COMMIT else decision.decode(errors="replace")
+
+
+def abort_check(spec: PushSpec) -> Callable[[], None] | None:
+    """Receiver of an all-or-none push: a check that raises once the driver aborted the push
+    (for waits on buckets; None when there is no vote)."""
+    if spec.commit != "all" or not spec.driver:
+        return None
+    agent = runtime_agent()
+
+    def check() -> None:
+        try:
+            decision = agent.rendezvous_get(spec.channel, _DECISION, timeout_s=0.0)
+        except TensorwireError:
+            return  # no decision yet
+        if decision != COMMIT:
+            raise TensorwireError(f"the push was aborted: {decision.decode(errors='replace')}")
+
+    return check
+
+
+def _stall_key(trainer: int) -> str:
+    return f"stalled/{trainer}"
+
+
+def report_stall(spec: PushSpec, trainer: int) -> None:
+    """Receiver: tell the driver that trainer rank ``trainer`` sent no next bucket for ``stall_s``."""
+    if not spec.driver:
+        return
+    with contextlib.suppress(TensorwireError):  # the driver gone: the push is over anyway
+        runtime_agent().rendezvous_push(
+            peer_from_bytes(spec.driver), spec.channel, _stall_key(trainer), str(spec.rank).encode(), timeout_s=5.0
+        )
+
+
+def stalled(channel: str, trainers: int) -> dict[int, str]:
+    """Driver: the trainer ranks (below ``trainers``) a receiver reported stalled -> that receiver's rank."""
+    agent = runtime_agent()
+    found = {}
+    for rank in range(trainers):
+        with contextlib.suppress(TensorwireError):
+            found[rank] = agent.rendezvous_get(channel, _stall_key(rank), timeout_s=0.0).decode(errors="replace")
+    return found
 
 
 class Vote:

@@ -1,11 +1,17 @@
-"""Failover: a push whose trainer died completes from the trainers that are left.
+"""Failover: a push whose trainer died or stalled completes from the trainers that are left.
 
-When a trainer dies mid-push, the receivers abort that attempt (all-or-none: every one keeps the
-version it had; best effort: some hold part of it). If the surviving trainers still hold every
-byte of every receiver's plan (data-parallel replicas, HSDP groups), the driver plans again over
-them and pushes the same version once more, so the push completes exact; the dead trainer is
-out of the sync from then on. Only when some range has no live source does the push fail (the
-receivers stay where they were).
+When a trainer dies mid-push, or *stalls* (a receiver waited ``stall_s`` for its next bucket:
+progress, not a total timeout), the receivers abort that attempt (all-or-none: every one keeps
+the version it had; best effort: some hold part of it). If the surviving trainers still hold
+every byte of every receiver's plan (data-parallel replicas, HSDP groups), the driver plans
+again over them and pushes the same version once more, leaving out the pieces each receiver
+already has (:func:`arrived`: they stay where the first try put them, in the shadows or the
+tensors), so only the missing ranges are read again and the push completes exact. The trainer
+that failed is out of the sync from then on. Only when some range has no live source does the
+push fail (the receivers stay where they were).
+
+A stalled trainer's call is left running (Ray cannot interrupt it); whatever it does later goes
+to a push that is over and is dropped.
 """
 
 from __future__ import annotations
@@ -13,10 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping as MappingABC
 from collections.abc import Sequence
 
-from tensorwire.collectives.layout import HeldParam
+from tensorwire.collectives import sync_hooks
+from tensorwire.collectives.layout import Box, HeldParam
 from tensorwire.collectives.plan import Mapping, Plan
+from tensorwire.runtime import calls
+from tensorwire.runtime.actor import ActorHandle
+from tensorwire.runtime.hooks import call_hook
 
-__all__ = ["replan_without"]
+__all__ = ["arrived", "count_lost", "replan_without"]
 
 
 def replan_without(
@@ -37,3 +47,33 @@ def replan_without(
     except ValueError as e:  # a gap: the dead trainer held bytes no other does
         return None, f"no other trainer holds all of it ({e})"
     return plan, ""
+
+
+def arrived(
+    sync_id: str, version: int, receivers: MappingABC[int, ActorHandle], timeout_s: float
+) -> dict[int, dict[tuple[str, str], list[Box]]]:
+    """Per receiver, the pieces of ``version`` it already holds (asked all at once; a receiver
+    that does not answer in time gets everything again)."""
+    refs = {rid: call_hook(actor, sync_hooks.arrived_hook, sync_id, version) for rid, actor in receivers.items()}
+    done, _late = calls.wait_all(list(refs.values()), timeout_s=timeout_s)
+    answered = set(done)
+    result: dict[int, dict[tuple[str, str], list[Box]]] = {}
+    for rid, ref in refs.items():
+        if ref not in answered:
+            continue
+        outcome = calls.settle(ref, timeout_s=1.0)
+        if not outcome.ok:
+            continue
+        pieces: dict[tuple[str, str], list[Box]] = {}
+        for name, wire, offsets, sizes in outcome.value:
+            pieces.setdefault((name, wire), []).append(Box(tuple(offsets), tuple(sizes)))
+        result[rid] = pieces
+    return result
+
+
+def count_lost(lost: dict[tuple[str, str], int], plan: Plan, dead: int, name: str) -> None:
+    """One failover more on each (``name``, receiver) pair that ``plan`` had trainer ``dead`` serve."""
+    for trainer, receiver in plan.pair_nbytes():
+        if trainer == dead:
+            key = (name, f"receiver {receiver}")
+            lost[key] = lost.get(key, 0) + 1

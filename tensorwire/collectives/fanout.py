@@ -298,7 +298,7 @@ class Fanout:
         export = same_node or (other_node and self._exports_across_nodes)  # one-sided handles (nixl)
         one_device = len({v.device for v, _ in pieces}) <= 1
         tensors = stage(pieces, self._pool(), k % IN_FLIGHT) if one_device else [as_wire(p) for p in pieces]
-        return self.channel.publish(tensors, export=export)
+        return self.channel.publish(tensors, export=export, across_nodes=other_node)
 
     def offer(self, k: int, pieces: Sequence[Piece], check: int) -> None:
         """Hand bucket ``k`` on (waits while two older buckets are not acknowledged)."""

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass
 
 from tensorwire.collectives.layout import FLOAT8, Box, HeldParam, dtype_itemsize, placement_box
 from tensorwire.collectives.mapping import Fuse, Mapping, bucket_plan
 
-__all__ = ["Fuse", "Mapping", "Plan", "Stream", "Transfer", "bucket_plan", "plan_sync"]
+__all__ = ["Fuse", "Held", "Mapping", "Plan", "Stream", "Transfer", "bucket_plan", "plan_sync"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,14 @@ class Stream:
 
         first = self.transfers[self.readers[0]]
         return max((packed_layout(first[i].nbytes for i in b)[1] for b in self.buckets), default=1) or 1
+
+
+Held = MappingABC[tuple[str, str], Sequence[Box]]  # (receiver parameter, wire dtype) -> boxes it holds
+
+
+def _holds(held: Held, piece: Transfer) -> bool:
+    """Whether one of the ``held`` boxes of the piece's parameter (same wire dtype) covers it."""
+    return any(box.contains(piece.dst) for box in held.get((piece.target, piece.wire_dtype), ()))
 
 
 class _Holders:
@@ -290,14 +299,25 @@ class Plan:
 
     # ------------------------------------------------------------------ execution view
 
-    def streams(self, receivers: Iterable[int], bucket_bytes: int) -> list[Stream]:
-        """Per trainer, the live ``receivers`` grouped by identical source pieces, cut into buckets."""
+    def streams(
+        self, receivers: Iterable[int], bucket_bytes: int, have: MappingABC[int, Held] | None = None
+    ) -> list[Stream]:
+        """Per trainer, the live ``receivers`` grouped by identical source pieces, cut into
+        buckets; ``have[r]``: pieces receiver ``r`` holds already, left out (a failover's try
+        again reads only what is missing)."""
         result = []
         for trainer in range(self.trainer_count):
             groups: dict[tuple, list[int]] = {}
             lists: dict[int, list[Transfer]] = {}
             for r in receivers:
-                mine = [piece for t in self.receivers[r] if t.trainer == trainer for piece in t.split(bucket_bytes)]
+                held = (have or {}).get(r)
+                mine = [
+                    piece
+                    for t in self.receivers[r]
+                    if t.trainer == trainer
+                    for piece in t.split(bucket_bytes)
+                    if not held or not _holds(held, piece)
+                ]
                 if not mine:
                     continue
                 lists[r] = mine

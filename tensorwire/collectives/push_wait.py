@@ -1,5 +1,6 @@
 """The driver's wait for one weight-sync push: bounded, drawing the progress bar from the
-trainers' messages, and deciding an all-or-none vote (:mod:`.commit`) while the members run."""
+trainers' messages, deciding an all-or-none vote (:mod:`.commit`) while the members run, and
+giving up on a trainer that receivers report stalled."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tensorwire.collectives.commit import Vote, ended_early
+from tensorwire.collectives.commit import Vote, ended_early, stalled
 from tensorwire.collectives.sync_spec import Role
 from tensorwire.errors import TensorwireError
 from tensorwire.progress import ProgressBar
@@ -28,11 +29,21 @@ class PushWait:
     progress: bool
     timeout_s: float
 
-    def wait(self, members: dict[Any, str], channel: str, trainer_roles: Sequence[Role], vote: Vote | None) -> None:
-        """Wait until every member's call (``members``: call -> who) ended, within the push's
-        deadline. With a ``vote``: commit once every receiver is ready, abort as soon as a
-        member failed or a receiver ended without committing."""
+    def wait(
+        self,
+        members: dict[Any, str],
+        channel: str,
+        trainer_roles: Sequence[Role],
+        vote: Vote | None,
+        trainers: Sequence[Any],
+    ) -> dict[int, str]:
+        """Wait until every member's call (``members``: call -> who; ``trainers``: the trainers'
+        calls in rank order) ended, within the push's deadline, or was reported stalled by a
+        receiver: returns those trainers' ranks -> the receiver rank that reported it (their
+        calls are left running). With a ``vote``: commit once every receiver is ready, abort as
+        soon as a member failed or stalled or a receiver ended without committing."""
         pending = list(members)
+        stalls: dict[int, str] = {}
         deadline = time.monotonic() + self.timeout_s * (self.buckets + 2)
         agent = runtime_agent()
         expected = [(role.stream, len(role.buckets)) for role in trainer_roles]
@@ -43,10 +54,18 @@ class PushWait:
             while pending:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"weight sync v{self.version} did not finish in time")
+                for rank, reporter in stalled(channel, len(trainers)).items():
+                    if rank not in stalls:
+                        stalls[rank] = reporter
+                        pending = [ref for ref in pending if ref is not trainers[rank]]
                 if vote is not None and vote.decision is None:
                     vote.collect()
                     done, pending = calls.wait_all(pending, timeout_s=0.0)
-                    vote.decide(ended_early(members, done, self.timeout_s))
+                    failure = ended_early(members, done, self.timeout_s)
+                    if failure is None and stalls:
+                        rank, reporter = next(iter(stalls.items()))
+                        failure = f"{members[trainers[rank]]} stalled (reported by channel rank {reporter})"
+                    vote.decide(failure)
                 else:
                     _done, pending = calls.wait_all(pending, timeout_s=0.1)
                 if not self.progress:
@@ -62,3 +81,4 @@ class PushWait:
         finally:
             agent.rendezvous_forget(channel)
             bar.close()
+        return stalls

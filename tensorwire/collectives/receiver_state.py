@@ -17,12 +17,28 @@ import torch
 
 from tensorwire.collectives.sync_spec import PushSpec
 
-__all__ = ["check_commit", "commit", "destinations", "quantise", "release", "weight_fence", "weight_version"]
+__all__ = [
+    "Received",
+    "check_commit",
+    "commit",
+    "destinations",
+    "note_received",
+    "quantise",
+    "received",
+    "release",
+    "start_receiving",
+    "weight_fence",
+    "weight_version",
+]
+
+Received = tuple[str, str, tuple[int, ...], tuple[int, ...]]  # (parameter, wire dtype, box offsets, box sizes)
 
 _versions: dict[str, int] = {}
 _fences: dict[str, threading.Lock] = {}
 _lock = threading.Lock()
 _shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> shadow, or (sync id, -1 - param) fp8 staging
+_last_commit: dict[str, tuple[str, int]] = {}  # sync name -> (sync id, version) of its last commit here
+_arrived: dict[str, tuple[int, set[Received]]] = {}  # sync id -> (version, the pieces of it that arrived)
 
 
 def weight_version(name: str = "weights") -> int:
@@ -42,6 +58,32 @@ def release(sync_id: str) -> None:
     """Drop the shadows of sync ``sync_id`` in this process."""
     for key in [key for key in _shadows if key[0] == sync_id]:
         del _shadows[key]
+    with _lock:
+        _arrived.pop(sync_id, None)
+
+
+def start_receiving(spec: PushSpec) -> None:
+    """A push of ``spec.version`` starts here: forget the pieces of any other version."""
+    with _lock:
+        kept = _arrived.get(spec.sync_id)
+        if kept is None or kept[0] != spec.version:
+            _arrived[spec.sync_id] = (spec.version, set())
+
+
+def note_received(spec: PushSpec, pieces: list[Received]) -> None:
+    """These pieces of ``spec.version`` are in place (in the shadows, the staging or the
+    tensors themselves, wherever :func:`destinations` put them)."""
+    with _lock:
+        kept = _arrived.get(spec.sync_id)
+        if kept is not None and kept[0] == spec.version:
+            kept[1].update(pieces)
+
+
+def received(sync_id: str, version: int) -> list[Received]:
+    """The pieces of ``version`` of sync ``sync_id`` that arrived here (empty for another version)."""
+    with _lock:
+        kept = _arrived.get(sync_id)
+        return sorted(kept[1]) if kept is not None and kept[0] == version else []
 
 
 def _kept(key: tuple[str, int], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -108,7 +150,12 @@ def check_commit(actor: object, spec: PushSpec) -> None:
 
 def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
     """Make version ``spec.version`` the receiver's: assembled aside, one local copy inside its
-    fence (readers holding the fence see whole versions); then its ``on_commit`` hook, once."""
+    fence (readers holding the fence see whole versions); then its ``on_commit`` hook, once
+    per version (a push of a version it committed already, a failover's second try, changes
+    nothing: it read nothing new)."""
+    with _lock:
+        if _last_commit.get(spec.name) == (spec.sync_id, spec.version):
+            return
     if spec.atomic:
         with _fence(actor, spec):
             for i, target in enumerate(targets):
@@ -128,3 +175,4 @@ def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
 def _publish(spec: PushSpec) -> None:
     with _lock:
         _versions[spec.name] = spec.version
+        _last_commit[spec.name] = (spec.sync_id, spec.version)

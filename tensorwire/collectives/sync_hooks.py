@@ -22,6 +22,7 @@ import torch
 
 from tensorwire.collectives import receiver_state
 from tensorwire.collectives.channel import Channel, member_from
+from tensorwire.collectives.commit import abort_check, report_stall
 from tensorwire.collectives.commit import vote as commit_vote
 from tensorwire.collectives.fanout import (
     SLOT,
@@ -47,7 +48,7 @@ from tensorwire.collectives.sync_spec import (
     SendResult,
     assign_roles,
 )
-from tensorwire.errors import TensorwireError
+from tensorwire.errors import TensorwireError, TransferTimeoutError
 from tensorwire.runtime.hooks import actor_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.agent.wire import peer_from_bytes
@@ -158,6 +159,12 @@ def _tensors(actor: object, spec: PushSpec, role: str) -> list[torch.Tensor]:
 @actor_hook
 def versions_hook(_actor: object, name: str) -> int:
     return weight_version(name)
+
+
+@actor_hook
+def arrived_hook(_actor: object, sync_id: str, version: int) -> list[receiver_state.Received]:
+    """Hook, receiver: the pieces of ``version`` that arrived here (for a failover's second try)."""
+    return receiver_state.received(sync_id, version)
 
 
 @actor_hook
@@ -328,6 +335,23 @@ def _take_object(
     return fetched.transport, fetched.copy_s + time.perf_counter() - copy_start, fetched.tensors
 
 
+def _next_bucket(channel: Channel, spec: PushSpec, parent: int, key: str, check: Callable[[], None] | None) -> bytes:
+    """The message of the next bucket from ``parent``; a trainer that sends none within
+    ``stall_s`` stalled (the driver is told, to replace it)."""
+    from_trainer = parent < spec.trainers
+    try:
+        return channel.recv(parent, key, timeout_s=spec.stall_s if from_trainer and spec.stall_s else None, check=check)
+    except TransferTimeoutError:
+        if not from_trainer:
+            raise
+        report_stall(spec, parent)
+        raise TensorwireError(f"trainer member {parent} stalled: no {key} within {spec.stall_s:g} s") from None
+
+
+def _arrived(spec: PushSpec, bucket: tuple[Region, ...]) -> list[receiver_state.Received]:
+    return [(spec.layout[r.param].name, r.wire_dtype, r.box.offsets, r.box.sizes) for r in bucket]
+
+
 @actor_hook
 def receive(
     actor: object, spec: PushSpec | bytes, version: int | None = None, channel: str | None = None
@@ -335,8 +359,10 @@ def receive(
     """Hook, receiver: read every stream it is in into its tensors; serve the ones it leads."""
     start = time.perf_counter()
     spec = _load(spec, version, channel)
+    receiver_state.start_receiving(spec)
     channel = _channel(spec)
     fanouts = _fanouts(channel, spec)
+    aborted = abort_check(spec)
     transfer_s = unpack_s = verify_s = 0.0
     nbytes = 0
     transports: dict[str, int] = {}
@@ -354,7 +380,8 @@ def receive(
                             continue
                         key = f"s{role.stream}/b{k}"
                         what = f"bucket {k} from member {role.parent}"
-                        kind, expected, payload = parse_message(channel.recv(role.parent, key), what)
+                        message = _next_bucket(channel, spec, role.parent, key, aborted)
+                        kind, expected, payload = parse_message(message, what)
                         if kind is BucketKind.ABORT:
                             raise TensorwireError(f"{what} will not come: {payload.decode(errors='replace')}")
                         bucket = role.buckets[k]
@@ -376,6 +403,8 @@ def receive(
                             verify_s += time.perf_counter() - verify_start
                             if not intact:
                                 raise TensorwireError(f"bucket {k} from member {role.parent}: checksum mismatch")
+                        arrived = _memo(role.buckets, lambda buckets: [_arrived(spec, b) for b in buckets])
+                        receiver_state.note_received(spec, arrived[k])
                         acks.append(channel.post(role.parent, f"{key}/ack", b""))
                         acked[role.stream] = k + 1
                         if role.stream in fanouts:

@@ -28,13 +28,16 @@ class SyncReport:
         peak_staging_nbytes: Most bytes any trainer had staged at once (about two buckets per stream).
         in_place_nbytes: Bytes the receivers read straight out of the trainers' tensors (no staging
             copy on the trainer; the rest was packed or converted into staging first).
-        moved_nbytes: Bytes the receivers that completed took in.
+        moved_nbytes: Bytes the receivers that completed took in (in the try that completed the
+            push, after a failover).
         plan_nbytes: The plan's bytes for those receivers (what a push must move, and no more).
+        kept_nbytes: Of those, bytes a try that a failover ended had delivered already: not
+            read again (``moved_nbytes + kept_nbytes == plan_nbytes``).
         pairs: (source, destination, transport) -> :class:`.sync_telemetry.PairStats` (bytes,
             buckets, seconds, errors), sources and destinations named "trainer i" / "receiver j".
         timeline: Every bucket a receiver that completed took in (:class:`.sync_telemetry.PairSpan`).
-        replaced: Trainer that died during the push -> why; the push completed from the others
-            (failover), and the trainer is out of the sync.
+        replaced: Trainer that died or stalled during the push -> why; the push completed from
+            the others (failover), and the trainer is out of the sync.
     """
 
     version: int
@@ -51,6 +54,7 @@ class SyncReport:
     in_place_nbytes: int = 0
     moved_nbytes: int = 0
     plan_nbytes: int = 0
+    kept_nbytes: int = 0
     replaced: dict[str, str] = field(default_factory=dict)
     pairs: dict[tuple[str, str, str], PairStats] = field(default_factory=dict)
     timeline: list[PairSpan] = field(default_factory=list)

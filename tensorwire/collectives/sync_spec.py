@@ -10,12 +10,13 @@ dtype on the wire). Trainers answer with a :class:`SendResult`, receivers with a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from tensorwire.collectives.channel import member_from
 from tensorwire.collectives.layout import Box, HeldParam
-from tensorwire.collectives.plan import Plan
+from tensorwire.collectives.plan import Held, Plan
 from tensorwire.collectives.tensorwire_group import broadcast_parents
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class PushSpec:
     commit: str = "each"  # receiver: "all" (vote, commit on the driver's word) or "each" (on its own)
     deadline_s: float = 0.0  # the push's whole deadline (the driver decides a vote within it)
     on_commit: str | Callable[[object, int], None] | None = None  # receiver: run once per commit
+    trainers: int = 0  # ranks below this are trainers
+    stall_s: float = 0.0  # receiver: a trainer that sends no next bucket for this long stalled (0: timeout_s)
 
 
 @dataclass(frozen=True)
@@ -151,10 +154,12 @@ def assign_roles(
     receiver_layouts: Sequence[Sequence[HeldParam]],
     descriptions: Sequence[tuple[bytes, int]],
     bucket_bytes: int,
+    have: MappingABC[int, Held] | None = None,
 ) -> tuple[dict[int, tuple[Role, ...]], int]:
     """Per channel rank (the trainers, then the ``live`` receivers in order): its part in
     every stream of ``plan``, with one relay tree per stream; and the number of buckets.
-    ``descriptions`` are the members' (``describe_self``), in channel-rank order."""
+    ``descriptions`` are the members' (``describe_self``), in channel-rank order; ``have``:
+    pieces receivers hold already (:meth:`Plan.streams`)."""
     m = len(trainer_layouts)
     rank_of = {rid: m + i for i, rid in enumerate(live)}
     trainer_index = [{p.name: i for i, p in enumerate(layout)} for layout in trainer_layouts]
@@ -162,7 +167,7 @@ def assign_roles(
         r: {p.name: i for i, p in enumerate(layout)} for r, layout in zip(live, receiver_layouts, strict=True)
     }
     roles: dict[int, list[Role]] = {rank: [] for rank in range(len(descriptions))}
-    streams = plan.streams(live, bucket_bytes)
+    streams = plan.streams(live, bucket_bytes, have)
     for sid, stream in enumerate(streams):
         ranks = [stream.trainer, *(rank_of[r] for r in stream.readers)]
         compact = [member_from(i, descriptions[rank]) for i, rank in enumerate(ranks)]

@@ -2,9 +2,10 @@
 
 A receiver reports every bucket it took in (:class:`.sync_spec.BucketSpan`); the driver turns
 them into per (source, destination, transport) pairs (:class:`PairStats`: bytes, buckets,
-seconds, errors) and a timeline of every bucket (:class:`PairSpan`), both in the push's
-:class:`.sync_report.SyncReport`. The driver also adds each push's pairs to this process's
-Prometheus totals (``tensorwire_sync_pair_{bytes,transfers,seconds,errors}_total``, labelled by
+seconds, errors, retries, failovers) and a timeline of every bucket (:class:`PairSpan`), both in
+the push's :class:`.sync_report.SyncReport`. The driver also adds each push's pairs to this
+process's Prometheus totals (``tensorwire_sync_pair_{bytes,transfers,seconds,errors,retries,
+failovers}_total``, labelled by
 sync name, source, destination and transport) and ``SyncReport.plot`` draws the timeline.
 """
 
@@ -18,14 +19,16 @@ from typing import Any
 from tensorwire.collectives.sync_spec import ReceiveResult
 from tensorwire.transport.agent import metrics
 
-__all__ = ["PairSpan", "PairStats", "pairs_of", "plot_timeline", "record"]
+__all__ = ["PairSpan", "PairStats", "failover_pairs", "pairs_of", "plot_timeline", "record"]
 
 
 @dataclass(frozen=True)
 class PairStats:
     """One (source, destination, transport) pair in one push. ``errors``: failures of the
     push's members counted on each pair of the member that failed (a source or destination
-    that died or failed)."""
+    that died or failed); ``retries``: buckets read again after a failover (the push's try
+    that completed it); ``failovers``: times this pair's source was replaced mid-push (its
+    transport is then "-": the try it served did not complete)."""
 
     source: str
     destination: str
@@ -34,6 +37,8 @@ class PairStats:
     transfers: int = 0
     seconds: float = 0.0
     errors: int = 0
+    retries: int = 0
+    failovers: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,10 +59,13 @@ def pairs_of(
     names: Mapping[int, str],
     started: float,
     failed: Sequence[str] = (),
+    *,
+    retry: bool = False,
 ) -> tuple[dict[tuple[str, str, str], PairStats], list[PairSpan]]:
-    """Pairs and timeline of one push. ``results``: receiver id -> what it did; ``names``:
-    channel rank -> its name ("trainer 0", "receiver 2"); ``started``: the push's start (wall
-    clock); ``failed``: names of members that failed or died."""
+    """Pairs and timeline of one try of a push. ``results``: receiver id -> what it did;
+    ``names``: channel rank -> its name ("trainer 0", "receiver 2"); ``started``: the push's
+    start (wall clock); ``failed``: names of members that failed or died; ``retry``: the try
+    after a failover (its buckets count as retries)."""
     totals: dict[tuple[str, str, str], list[float]] = {}
     timeline = []
     for rid, result in results.items():
@@ -78,11 +86,19 @@ def pairs_of(
         mine = [key for key in totals if who in (key[0], key[1])] or [(who, "", "")]
         for key in mine:
             errors[key] = errors.get(key, 0) + 1
-    pairs = {key: PairStats(*key, int(row[0]), int(row[1]), row[2], errors.get(key, 0)) for key, row in totals.items()}
+    pairs = {
+        key: PairStats(*key, int(row[0]), int(row[1]), row[2], errors.get(key, 0), int(row[1]) if retry else 0)
+        for key, row in totals.items()
+    }
     for key, count in errors.items():
         pairs.setdefault(key, PairStats(*key, errors=count))
     timeline.sort(key=lambda s: (s.source, s.destination, s.start_s))
     return pairs, timeline
+
+
+def failover_pairs(replaced: Mapping[tuple[str, str], int]) -> dict[tuple[str, str, str], PairStats]:
+    """The pairs whose source was replaced: (trainer, receiver) -> how many times."""
+    return {(src, dst, "-"): PairStats(src, dst, "-", failovers=n) for (src, dst), n in replaced.items()}
 
 
 _lock = threading.Lock()
@@ -93,15 +109,18 @@ def record(sync: str, pairs: Mapping[tuple[str, str, str], PairStats]) -> None:
     """Add one push's pairs to this process's totals (what Prometheus is shown)."""
     with _lock:
         for (source, destination, transport), stats in pairs.items():
-            row = _totals.setdefault((sync, source, destination, transport), [0, 0, 0.0, 0])
+            row = _totals.setdefault((sync, source, destination, transport), [0, 0, 0.0, 0, 0, 0])
             row[0] += stats.nbytes
             row[1] += stats.transfers
             row[2] += stats.seconds
             row[3] += stats.errors
+            row[4] += stats.retries
+            row[5] += stats.failovers
 
 
 def totals() -> dict[tuple[str, str, str, str], list[float]]:
-    """(sync, source, destination, transport) -> [bytes, transfers, seconds, errors] so far."""
+    """(sync, source, destination, transport) -> [bytes, transfers, seconds, errors, retries,
+    failovers] so far."""
     with _lock:
         return {key: list(row) for key, row in _totals.items()}
 
@@ -115,6 +134,10 @@ def _families() -> Iterator[Any]:
         CounterMetricFamily("tensorwire_sync_pair_transfers", "Weight-sync buckets per pair", labels=labels),
         CounterMetricFamily("tensorwire_sync_pair_seconds", "Weight-sync fetch time per pair", labels=labels),
         CounterMetricFamily("tensorwire_sync_pair_errors", "Weight-sync member failures per pair", labels=labels),
+        CounterMetricFamily(
+            "tensorwire_sync_pair_retries", "Weight-sync buckets read again after a failover", labels=labels
+        ),
+        CounterMetricFamily("tensorwire_sync_pair_failovers", "Weight-sync sources replaced mid-push", labels=labels),
     ]
     for key, row in sorted(totals().items()):
         for family, value in zip(families, row, strict=True):

@@ -24,11 +24,9 @@ receiver commits on its own, in place (no shadow) unless ``atomic=True`` (a shad
 inside the fence). ``on_commit`` runs in a receiver once per version it commits;
 ``wait_version(v)`` waits in the driver until every receiver holds ``v``.
 
-Membership: ``add_receiver`` / ``remove_receiver`` between pushes plan only that receiver. A
-receiver that dies mid-push is dropped (``report.failed``) and left out later; under
-``commit="each"`` the others complete. A trainer that dies or fails fails the push with an error
-naming it; a trainer that dies while the trainers left hold every receiver's bytes is
-replaced and the push runs again, same version (:mod:`.failover`).
+Membership: ``add_receiver`` / ``remove_receiver`` between pushes. A receiver that dies mid-push
+is dropped (``report.failed``); a trainer that fails fails the push; one that dies or stalls is
+replaced when the others hold its bytes: the push reads what is missing from them (:mod:`.failover`).
 """
 
 from __future__ import annotations
@@ -44,17 +42,17 @@ from typing import Any
 import cloudpickle
 import torch
 
-from tensorwire.collectives import join, sync_hooks
+from tensorwire.collectives import failover, join, sync_hooks, sync_versions
 from tensorwire.collectives.api import DEFAULT_TIMEOUT_S, check_actors, describe_actors
 from tensorwire.collectives.commit import Vote
 from tensorwire.collectives.failover import replan_without
 from tensorwire.collectives.fanout import checksum
 from tensorwire.collectives.layout import HeldParam
-from tensorwire.collectives.plan import Fuse, Mapping, Plan, bucket_plan
+from tensorwire.collectives.plan import Fuse, Held, Mapping, Plan, bucket_plan
 from tensorwire.collectives.push_wait import PushWait
 from tensorwire.collectives.sync_hooks import PushSpec, ReceiveResult, Role, assign_roles, weight_version
 from tensorwire.collectives.sync_report import SyncReport
-from tensorwire.collectives.sync_telemetry import pairs_of, record
+from tensorwire.collectives.sync_telemetry import failover_pairs, pairs_of, record
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime import calls
 from tensorwire.runtime.actor import ActorHandle
@@ -97,6 +95,8 @@ class WeightSync:
         progress: Show a progress bar on stderr (default: when stderr is a terminal).
         name: Name of this sync, for ``weight_version(name)`` in the receivers.
         timeout_s: Deadline of each wait inside a push (setup included).
+        stall_s: A trainer that sends a receiver no next bucket for this long stalled: it is
+            replaced like a dead one (default: half of ``timeout_s``; must be below it).
     """
 
     def __init__(
@@ -120,6 +120,7 @@ class WeightSync:
         progress: bool | None = None,
         name: str = "weights",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        stall_s: float | None = None,
     ) -> None:
         trainers = (trainers,) if isinstance(trainers, ActorHandle) else tuple(trainers)
         check_actors([*trainers, *receivers], "WeightSync (trainers and receivers)")
@@ -133,6 +134,9 @@ class WeightSync:
             raise ValueError(f"commit={commit!r}: expected 'all' (every receiver or none) or 'each' (each on its own)")
         if on_commit is not None and not (isinstance(on_commit, str) and on_commit) and not callable(on_commit):
             raise TypeError("on_commit must name a receiver method or be a function f(actor, version)")
+        stall_s = timeout_s / 2 if stall_s is None else validate_timeout(stall_s)
+        if stall_s >= timeout_s:
+            raise ValueError(f"stall_s={stall_s:g} must be below timeout_s={timeout_s:g} (how long trainers wait)")
         if transport != "auto":
             from tensorwire.transport import registry
 
@@ -151,6 +155,7 @@ class WeightSync:
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.name = name
         self.timeout_s = timeout_s
+        self.stall_s = stall_s
         self.version = 0  # the last version pushed
         self.committed = 0  # the last version committed (all-or-none: by every receiver; "each": by one)
         self._pushes = 0
@@ -245,9 +250,12 @@ class WeightSync:
 
     # ------------------------------------------------------------------ pushing
 
-    def _specs(self, live: tuple[int, ...]) -> tuple[dict[int, bytes], dict[int, tuple[Role, ...]], int]:
-        """Each member's part of a push over the ``live`` receivers, serialised once (pushes
-        over the same members only change the version and channel)."""
+    def _specs(
+        self, live: tuple[int, ...], have: MappingABC[int, Held] | None = None
+    ) -> tuple[dict[int, bytes], dict[int, tuple[Role, ...]], int]:
+        """Each member's part of a push over the ``live`` receivers (``have``: pieces they
+        hold already), serialised once (pushes over the same members only change the version
+        and channel)."""
         descriptions = (*self._trainer_descriptions, *(self._descriptions[r] for r in live))
         layouts = [self._layouts[r] for r in live]
         roles, buckets = assign_roles(
@@ -257,6 +265,7 @@ class WeightSync:
             receiver_layouts=layouts,
             descriptions=descriptions,
             bucket_bytes=self.bucket_bytes,
+            have=have,
         )
         driver = peer_to_bytes(runtime_agent().peer)
         m = len(self.trainers)
@@ -285,7 +294,7 @@ class WeightSync:
                 verify=self.verify,
                 transport=self.transport,
                 timeout_s=self.timeout_s,
-                driver=driver if (self.progress if trainer else self.commit == "all") else b"",
+                driver=driver if self.progress or not trainer else b"",
                 atomic=(self.atomic or self.commit == "all") and not trainer,
                 fence=self.fence,
                 scales=scales,
@@ -293,6 +302,8 @@ class WeightSync:
                 commit=self.commit,
                 deadline_s=self.timeout_s * (buckets + 2),  # as the driver's wait (push_wait.PushWait)
                 on_commit=None if trainer else self.on_commit,
+                trainers=m,
+                stall_s=self.stall_s,
             )
             try:  # the C pickler: tens of times faster than cloudpickle on thousands of small records
                 blobs[rank] = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
@@ -306,37 +317,43 @@ class WeightSync:
         Receivers that die or fail are listed in ``report.failed`` (and left out of later
         pushes if they died); the others are complete.
 
-        A trainer that dies mid-push is dropped and the push runs again from the others when
-        they hold every receiver's bytes (``report.replaced``).
+        A trainer that dies or stalls mid-push is dropped and the rest runs again from the
+        others when they hold every receiver's bytes (``report.replaced``, ``kept_nbytes``).
 
         Raises:
-            TensorwireError: A trainer failed, or died with no other trainer holding its bytes
-                (the message names it and why; ``.report`` has what the receivers did).
+            TensorwireError: A trainer failed, or died or stalled with no other trainer holding
+                its bytes (the message names it and why; ``.report`` has what the receivers did).
         """
         if self._closed:
             raise RuntimeError("this WeightSync was closed")
         self.version += 1
         replaced: dict[str, str] = {}
+        have: dict[int, Held] | None = None
+        lost: dict[tuple[str, str], int] = {}  # (replaced trainer, receiver) -> failovers
         start = time.perf_counter()
         while True:
+            live = tuple(r for r in self._receivers if r not in self._dead)
             try:
-                report = self._push(tuple(r for r in self._receivers if r not in self._dead), self.version)
+                report = self._push(live, self.version, have)
                 break
-            except TensorwireError as e:  # a trainer died: complete from the others when they hold it all
-                dead = getattr(e, "trainer", None)
-                if dead is None or not self._fail_over(dead, e, replaced):
+            except TensorwireError as e:  # a trainer died or stalled: complete from the others when they hold it all
+                if getattr(e, "trainer", None) is None or not self._fail_over(e, replaced, lost):
                     raise
+                have = failover.arrived(self._id, self.version, {r: self._receivers[r] for r in live}, self.timeout_s)
         report.replaced, report.seconds = replaced, time.perf_counter() - start  # every try
+        report.pairs.update(failover_pairs(lost))
+        record(self.name, failover_pairs(lost))
         committed_all = not any(not why.startswith("left out") for why in report.failed.values())
         if report.receivers and (self.commit == "each" or committed_all):
             self.committed = self.version
         return report
 
-    def _push(self, live: tuple[int, ...], version: int) -> SyncReport:
-        """Push the trainers' tensors into the ``live`` receivers as ``version``."""
-        key = (live, self.progress)
-        if self._roles is None or self._roles[0] != key:
-            self._roles = (key, *self._specs(live))
+    def _push(self, live: tuple[int, ...], version: int, have: MappingABC[int, Held] | None = None) -> SyncReport:
+        """Push the trainers' tensors into the ``live`` receivers as ``version`` (``have``:
+        pieces they hold already, after a failover: not kept for the next push)."""
+        key = (live, self.progress) if have is None else None  # a failover's try is not kept
+        if have is not None or self._roles is None or self._roles[0] != key:
+            self._roles = (key, *self._specs(live, have))
         _key, blobs, roles, buckets = self._roles
         self._pushes += 1
         channel = f"tw-sync-{self._id}-{self._pushes}"
@@ -355,7 +372,7 @@ class WeightSync:
         members.update({ref: f"receiver {rid}" for rid, ref in receiver_refs.items()})
         trainer_roles = [role for rank in range(m) for role in roles[rank]]
         waiting = PushWait(version, buckets, self.plan.nbytes, progress=self.progress, timeout_s=self.timeout_s)
-        waiting.wait(members, channel, trainer_roles, vote)
+        stalls = waiting.wait(members, channel, trainer_roles, vote, trainer_refs)
         seconds = time.perf_counter() - start
         report = SyncReport(version, self.nbytes, buckets, seconds, 0.0, 0.0, 0.0, 0.0)
         for rid in self._dead:
@@ -385,64 +402,69 @@ class WeightSync:
         failed = [
             f"receiver {r}" for r, why in report.failed.items() if not why.startswith(("left out", "not committed"))
         ]
+        report.kept_nbytes = report.plan_nbytes - report.moved_nbytes if have is not None else 0
+        for i, reporter in stalls.items():
+            self._telemetry(report, names, started, [*failed, self._trainer_name(i)])
+            raise self._trainer_error(
+                report, i, f"stalled: {names.get(int(reporter), reporter)} got no bucket from it in {self.stall_s:g} s"
+            )
         for i, ref in enumerate(trainer_refs):
             outcome = calls.settle(ref, timeout_s=self.timeout_s)
             if not outcome.ok:
                 self._telemetry(report, names, started, [*failed, self._trainer_name(i)])
             if outcome.failure is calls.CallFailure.ACTOR_DIED:
-                error = TensorwireError(
-                    f"weight sync v{version}: {self._trainer_name(i)} ({self.trainers[i]!r}) died during the push: "
-                    f"{outcome.reason}"
-                )
-                error.report, error.trainer = report, i  # type: ignore[attr-defined]
-                raise error from None
+                raise self._trainer_error(report, i, f"died during the push: {outcome.reason}") from None
             if outcome.error is not None:  # the trainer failed (Ray's error carrying it), or timed out
                 outcome.error.report = report  # type: ignore[attr-defined]
                 raise outcome.error
             report.pack_s = max(report.pack_s, outcome.value.pack_s)
             report.peak_staging_nbytes = max(report.peak_staging_nbytes, outcome.value.peak_nbytes)
             report.in_place_nbytes += outcome.value.in_place_nbytes
-        self._telemetry(report, names, started, failed)
+        self._telemetry(report, names, started, failed, retry=have is not None)
         return report
 
-    def _fail_over(self, dead: int, error: TensorwireError, replaced: dict[str, str]) -> bool:
-        """Drop trainer ``dead`` and plan over the others; False (the error gets why) when they
-        do not hold every receiver's bytes."""
+    def _trainer_error(self, report: SyncReport, i: int, what: str) -> TensorwireError:
+        """The error of a push whose trainer ``i`` died or stalled (failover may replace it)."""
+        name = self._trainer_name(i)
+        error = TensorwireError(f"weight sync v{report.version}: {name} ({self.trainers[i]!r}) {what}")
+        error.report, error.trainer = report, i  # type: ignore[attr-defined]
+        return error
+
+    def _fail_over(self, error: TensorwireError, replaced: dict[str, str], lost: dict[tuple[str, str], int]) -> bool:
+        """Drop the trainer that ``error`` names and plan over the others; False (the error
+        gets why) when they do not hold every receiver's bytes."""
+        dead = error.trainer  # type: ignore[attr-defined]
         receivers = {rid: layout for rid, layout in self._layouts.items() if rid not in self._dead}
         plan, why = replan_without(dead, self._trainer_layouts, self.plan.mapping, receivers)
         if plan is None:
             error.args = (f"{error.args[0]}; no failover: {why}; the receivers keep the version they had",)
             return False
-        logger.warning("weight sync %s: %s died; pushing again from the others", self.name, self._trainer_name(dead))
+        logger.warning("weight sync %s: %s; pushing the rest from the others", self.name, error.args[0])
         replaced[self._trainer_name(dead)] = error.args[0]
+        failover.count_lost(lost, self.plan, dead, self._trainer_name(dead))
         keep = [i for i in range(len(self.trainers)) if i != dead]
         self.trainers = tuple(self.trainers[i] for i in keep)
         self._trainer_layouts = [self._trainer_layouts[i] for i in keep]
         self._trainer_descriptions = [self._trainer_descriptions[i] for i in keep]
         self._trainer_ids = [self._trainer_ids[i] for i in keep]
-        self.plan, self._roles = plan, None
-        self._release_staging(self.timeout_s)  # ranks and streams are numbered anew: the old staging goes
+        self.plan, self._roles = plan, None  # staging and shadows stay: the next try reuses them
         return True
 
     def _trainer_name(self, position: int) -> str:
         return f"trainer {self._trainer_ids[position]}"
 
-    def _telemetry(self, report: SyncReport, names: dict[int, str], started: float, failed: list[str]) -> None:
+    def _telemetry(
+        self, report: SyncReport, names: dict[int, str], started: float, failed: list[str], *, retry: bool = False
+    ) -> None:
         """The push's per-pair view (report.pairs, report.timeline), added to the Prometheus totals."""
-        report.pairs, report.timeline = pairs_of(report.receivers, names, started, failed)
+        report.pairs, report.timeline = pairs_of(report.receivers, names, started, failed, retry=retry)
         record(self.name, report.pairs)
 
     # ------------------------------------------------------------------ state
 
     def versions(self) -> list[int]:
         """The version each receiver holds completely (0: none yet; -1: unreachable)."""
-        result = []
-        for actor in self._receivers.values():
-            outcome = calls.settle(call_hook(actor, sync_hooks.versions_hook, self.name), timeout_s=30.0)
-            if outcome.failure is calls.CallFailure.FAILED and outcome.error is not None:
-                raise outcome.error
-            result.append(outcome.value if outcome.ok else -1)
-        return result
+        return sync_versions.versions(self._receivers, self.name)
 
     def wait_version(self, version: int, *, timeout_s: float = 60.0) -> list[int]:
         """Wait until every receiver not known dead holds ``version`` or a later one; returns
@@ -451,20 +473,7 @@ class WeightSync:
         Raises:
             TimeoutError: Some did not within ``timeout_s`` (named, with what they hold).
         """
-        deadline = time.monotonic() + validate_timeout(timeout_s)
-        while True:
-            held = self.versions()
-            behind = {
-                rid: v for rid, v in zip(self._receivers, held, strict=True) if rid not in self._dead and v < version
-            }
-            if not behind:
-                return held
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"weight sync {self.name}: receiver(s) {behind} (id: version held) not at version {version} "
-                    f"after {timeout_s:g} s"
-                )
-            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return sync_versions.wait_version(self._receivers, self.name, version, dead=self._dead, timeout_s=timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Free the staging memory the sync keeps between pushes (two buckets of shared memory

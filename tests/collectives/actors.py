@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import zlib
 
@@ -87,6 +88,17 @@ def die_at(role: str, k: int) -> None:
     tw.collective.set_fault_point(hook)
 
 
+def stall_at(role: str, k: int) -> None:
+    """In a weight-sync member: block (alive, sending nothing) once it has handled bucket level
+    ``k`` of a push as ``role``, until the process is killed (at most ten minutes)."""
+
+    def hook(at_role: str, at_k: int) -> None:
+        if (at_role, at_k) == (role, k):
+            threading.Event().wait(600)
+
+    tw.collective.set_fault_point(hook)
+
+
 def note_commit(actor: Holder, version: int) -> None:
     """An ``on_commit`` function: ``f(actor, version)``."""
     actor.commits.append(("function", version))
@@ -111,6 +123,9 @@ class Holder:
 
     def die_at(self, role: str, k: int) -> None:
         die_at(role, k)
+
+    def stall_at(self, role: str, k: int) -> None:
+        stall_at(role, k)
 
     def note_commit(self, version: int) -> None:
         """An ``on_commit`` method."""

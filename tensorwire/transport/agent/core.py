@@ -223,10 +223,10 @@ class Agent(TransportContext, AgentServices):
         self._store.add(StoredObject(object_id, token, tensors, metas, packed_nbytes, ready=list(ready or ())))
         return ObjectDescriptor(object_id, token, self._peer, metas, packed_nbytes)
 
-    def export_handles(self, desc: ObjectDescriptor) -> dict[str, bytes]:
+    def export_handles(self, desc: ObjectDescriptor, *, across_nodes: bool = True) -> dict[str, bytes]:
         """Producer, when a reference leaves the process: handles of one-sided transports
         (made once per object; see :meth:`ObjectStore.export_handles`)."""
-        return self._store.export_handles(desc)
+        return self._store.export_handles(desc, across_nodes=across_nodes)
 
     def export_nbytes(self, desc: ObjectDescriptor) -> int:
         return self._store.export_nbytes(desc)

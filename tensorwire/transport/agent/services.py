@@ -59,9 +59,10 @@ class AgentServices(ABC):
         """
 
     @abstractmethod
-    def export_handles(self, desc: ObjectDescriptor) -> dict[str, bytes]:
+    def export_handles(self, desc: ObjectDescriptor, *, across_nodes: bool = True) -> dict[str, bytes]:
         """Producer, for an object it owns: the one-sided transports' handles, made on the
-        first call (may block while a transport copies) and cached; ``{}`` if not owned here."""
+        first call (may block while a transport copies) and cached; ``{}`` if not owned here.
+        ``across_nodes=False``: only for readers on this node (see ``ObjectStore.export_handles``)."""
 
     @abstractmethod
     def described_now(self, desc: ObjectDescriptor) -> ObjectDescriptor:

@@ -35,6 +35,7 @@ class Entry:
     holders: set[str] = field(default_factory=set)
     pins: dict[bytes, float] = field(default_factory=dict)  # pin id -> expiry (monotonic)
     handles: dict[str, bytes] | None = None
+    handles_across_nodes: bool = False  # whether ``handles`` include the exports for other nodes
     export_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -142,19 +143,23 @@ class ObjectStore:
 
     # ------------------------------------------------------------------ exports
 
-    def export_handles(self, desc: ObjectDescriptor) -> dict[str, bytes]:
+    def export_handles(self, desc: ObjectDescriptor, *, across_nodes: bool = True) -> dict[str, bytes]:
         """Producer, when a reference leaves the process: handles of one-sided transports.
 
         A transport that carries values (inline) is tried first; when it carries the bytes
         no other export is made. Exports are made once per object and cached. A failed export
         is warned about and skipped: the consumer then falls back to a two-sided transport.
+        ``across_nodes=False`` (every reader is on this node): a transport that also reaches
+        other nodes exports only when none limited to this node can (a NIXL agent, which
+        takes a while to start, is not made for readers that use shared memory).
         """
         entry = self.owned(desc)
         if entry is None:
             return {}
         with entry.export_lock:
-            if entry.handles is None:
-                entry.handles = self._export_all(entry)
+            if entry.handles is None or (across_nodes and not entry.handles_across_nodes):
+                entry.handles = {**(entry.handles or {}), **self._export_all(entry, across_nodes, entry.handles or {})}
+                entry.handles_across_nodes = across_nodes
             return dict(entry.handles)
 
     def export_nbytes(self, desc: ObjectDescriptor) -> int:
@@ -164,13 +169,23 @@ class ObjectStore:
             return 0
         return sum(t.export_nbytes(entry.stored) for t in self._transports.usable().values())
 
-    def _export_all(self, entry: Entry) -> dict[str, bytes]:
+    def _export_all(self, entry: Entry, across_nodes: bool, made: dict[str, bytes]) -> dict[str, bytes]:
         handles: dict[str, bytes] = {}
         memory = {m.memory for m in entry.stored.metas}
         transports = self._transports.usable()
         exporters = [
-            n for n, t in transports.items() if t.capabilities.needs_export and not t.capabilities.export_per_consumer
+            n
+            for n, t in transports.items()
+            if t.capabilities.needs_export and not t.capabilities.export_per_consumer and n not in made
         ]
+        if not across_nodes and any(
+            not transports[n].capabilities.cross_node and memory <= transports[n].capabilities.memory for n in exporters
+        ):
+            exporters = [
+                n
+                for n in exporters
+                if not transports[n].capabilities.cross_node or transports[n].capabilities.carries_value
+            ]
         exporters.sort(key=lambda n: not transports[n].capabilities.carries_value)
         for name in exporters:
             transport = transports[name]

@@ -113,3 +113,23 @@ def test_ref_accessors(agent):
     outgoing = ref.outgoing_state()
     assert outgoing.desc == state.desc and outgoing.handles  # exported when a copy leaves
     agent.consume_pin(outgoing.desc, outgoing.pin_id)
+
+
+def test_exports_for_readers_on_this_node_leave_out_transports_that_reach_other_nodes(agent):
+    """A weight-sync bucket read only on this node is not exported over a transport that also
+    reaches other nodes (starting a NIXL agent took half a second) when one limited to this
+    node can take it; a later export for anyone adds those."""
+    usable = {name: t.capabilities for name, t in agent.transports().items()}
+    exporters = {n for n, c in usable.items() if c.needs_export and not c.export_per_consumer and not c.carries_value}
+    local = {n for n in exporters if not usable[n].cross_node}
+    remote = exporters - local
+    if not local or not remote:
+        pytest.skip(f"needs an exporting transport of each kind here (this machine's: {sorted(exporters)})")
+    value = torch.arange(1 << 16, dtype=torch.float32)  # too large to travel inline
+    ref = tw.put(value)
+    desc = ref.state.desc
+    only_here = set(agent.export_handles(desc, across_nodes=False))
+    assert only_here & local and not only_here & remote
+    anywhere = set(agent.export_handles(desc))
+    assert only_here < anywhere and anywhere & remote
+    del ref

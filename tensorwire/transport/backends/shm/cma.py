@@ -162,27 +162,28 @@ class LiveWords:
 
     def __init__(self) -> None:
         self._chunks: list[ctypes.Array[ctypes.c_uint64]] = []
-        self._free: list[tuple[int, int]] = []
+        self._free: list[int] = []  # chunk * _CHUNK + index
         # Re-entrant: a reference's finalizer frees objects (clear) and the garbage collector
         # may run it inside take, on this thread (making a chunk allocates).
         self._lock = threading.RLock()
 
-    def take(self) -> tuple[tuple[int, int], int, int]:
+    def take(self) -> tuple[int, int, int]:
         """A slot, its address and its nonce (written in the slot)."""
         with self._lock:
             if not self._free:
                 self._chunks.append((ctypes.c_uint64 * self._CHUNK)())
-                index = len(self._chunks) - 1
-                fresh = [(index, i) for i in range(self._CHUNK - 1, -1, -1)]
-                self._free.extend(fresh)  # keeps a slot a finalizer gave back meanwhile
+                base = (len(self._chunks) - 1) * self._CHUNK
+                # plain ints (not tuples): making thousands of them does not wake the garbage collector
+                self._free.extend(range(base + self._CHUNK - 1, base - 1, -1))  # keeps slots given back meanwhile
             slot = self._free.pop()
         nonce = secrets.randbits(64) | 1  # never 0: a cleared word
-        chunk = self._chunks[slot[0]]
-        chunk[slot[1]] = nonce
-        return slot, ctypes.addressof(chunk) + 8 * slot[1], nonce
+        chunk, index = divmod(slot, self._CHUNK)
+        self._chunks[chunk][index] = nonce
+        return slot, ctypes.addressof(self._chunks[chunk]) + 8 * index, nonce
 
-    def clear(self, slot: tuple[int, int]) -> None:
-        self._chunks[slot[0]][slot[1]] = 0
+    def clear(self, slot: int) -> None:
+        chunk, index = divmod(slot, self._CHUNK)
+        self._chunks[chunk][index] = 0
         with self._lock:
             self._free.append(slot)
 
