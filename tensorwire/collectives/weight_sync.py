@@ -410,6 +410,9 @@ class WeightSync:
             )
         for i, ref in enumerate(trainer_refs):
             outcome = calls.settle(ref, timeout_s=self.timeout_s)
+            if outcome.failure is calls.CallFailure.ACTOR_DIED and vote is not None and vote.committed:
+                failed.append(self._trainer_name(i))  # died after the receivers committed: the next push replaces it
+                continue
             if not outcome.ok:
                 self._telemetry(report, names, started, [*failed, self._trainer_name(i)])
             if outcome.failure is calls.CallFailure.ACTOR_DIED:
@@ -425,8 +428,7 @@ class WeightSync:
 
     def _trainer_error(self, report: SyncReport, i: int, what: str) -> TensorwireError:
         """The error of a push whose trainer ``i`` died or stalled (failover may replace it)."""
-        name = self._trainer_name(i)
-        error = TensorwireError(f"weight sync v{report.version}: {name} ({self.trainers[i]!r}) {what}")
+        error = TensorwireError(f"weight sync v{report.version}: {self._trainer_name(i)} ({self.trainers[i]!r}) {what}")
         error.report, error.trainer = report, i  # type: ignore[attr-defined]
         return error
 
@@ -481,10 +483,6 @@ class WeightSync:
         if self._closed:
             return
         self._closed = True
-        self._release_staging(timeout_s)
-
-    def _release_staging(self, timeout_s: float) -> None:
-        """Every member frees what this sync keeps there (staging, mappings, shadows)."""
         refs = [call_hook(a, sync_hooks.release, self._id) for a in (*self.trainers, *self._receivers.values())]
         # One deadline for all (bounded whatever the number of actors); late ones are named.
         done, late = calls.wait_all(refs, timeout_s=validate_timeout(timeout_s))
