@@ -4,9 +4,10 @@ clean push, and a late joiner's catch-up from a receiver replica against one fro
 Two trainer replicas (each the whole model, as data-parallel replicas are) push into N
 receivers (all-or-none, the default). *Killed at 50 %*: trainer 1 is killed (SIGKILL) once it
 offered half its buckets; the push completes from trainer 0 (failover), timed from the caller
-like the clean one (the median of three pushes after two warm-up pushes). *Catch-up*: ``add_receiver`` of one more receiver, once with the replicas
-in the sync (copied from one of them) and once with none left (pushed from the trainers).
-Every push and catch-up is checked against the trainer's checksum.
+like the clean one (the median of three pushes after two warm-up pushes). *Catch-up*:
+``add_receiver`` of one more receiver, once with the replicas in the sync (copied from one of
+them) and once with none left (pushed from the trainers), timed once the newcomer's actor is
+up. Every push and catch-up is checked against the trainer's checksum.
 
 Run: ``python -m benchmarks.fleet`` (256 MiB, 3 receivers, 3 rounds: a few minutes on 2 cores);
 ``--mib 32`` for a quick look.
@@ -85,11 +86,13 @@ def one_round(nbytes: int, receivers: int, bucket: int) -> dict[str, float]:
         killed = timed(sync.push)
         check(readers, expected, "push with a trainer killed")
         joiner = Rank.remote(nbytes, seed=None)
+        ray.get(joiner.checksum.remote())  # started (a Ray worker's start-up is not the catch-up)
         from_replica = timed(lambda: sync.add_receiver(joiner))
         check([joiner], expected, "catch-up from a replica")
         for rid in list(sync.receiver_ids):
             sync.remove_receiver(rid)
         late = Rank.remote(nbytes, seed=None)
+        ray.get(late.checksum.remote())
         from_trainers = timed(lambda: sync.add_receiver(late))
         check([late], expected, "catch-up from the trainers")
         return {"clean": clean, "killed": killed, "from_replica": from_replica, "from_trainers": from_trainers}

@@ -50,24 +50,33 @@ def replan_without(
 
 
 def arrived(
-    sync_id: str, version: int, receivers: MappingABC[int, ActorHandle], timeout_s: float
+    sync_id: str,
+    version: int,
+    receivers: MappingABC[int, ActorHandle],
+    layouts: MappingABC[int, Sequence[HeldParam]],
+    timeout_s: float,
 ) -> dict[int, dict[tuple[str, str], list[Box]]]:
     """Per receiver, the pieces of ``version`` it already holds (asked all at once; a receiver
-    that does not answer in time gets everything again)."""
+    that does not answer in time gets everything again). Receivers of one layout (replicas)
+    get what all of them hold, so that they read the rest together, as one stream, again."""
     refs = {rid: call_hook(actor, sync_hooks.arrived_hook, sync_id, version) for rid, actor in receivers.items()}
     done, _late = calls.wait_all(list(refs.values()), timeout_s=timeout_s)
     answered = set(done)
-    result: dict[int, dict[tuple[str, str], list[Box]]] = {}
+    held: dict[int, set[tuple]] = {}
     for rid, ref in refs.items():
-        if ref not in answered:
-            continue
-        outcome = calls.settle(ref, timeout_s=1.0)
-        if not outcome.ok:
-            continue
-        pieces: dict[tuple[str, str], list[Box]] = {}
-        for name, wire, offsets, sizes in outcome.value:
-            pieces.setdefault((name, wire), []).append(Box(tuple(offsets), tuple(sizes)))
-        result[rid] = pieces
+        outcome = calls.settle(ref, timeout_s=1.0) if ref in answered else None
+        ok = outcome is not None and outcome.ok
+        held[rid] = {(n, w, tuple(o), tuple(z)) for n, w, o, z in outcome.value} if ok else set()
+    by_layout: dict[tuple[HeldParam, ...], set[tuple]] = {}
+    for rid, pieces in held.items():
+        key = tuple(layouts[rid])
+        by_layout[key] = by_layout[key] & pieces if key in by_layout else set(pieces)
+    result: dict[int, dict[tuple[str, str], list[Box]]] = {}
+    for rid in held:
+        boxes: dict[tuple[str, str], list[Box]] = {}
+        for name, wire, offsets, sizes in by_layout[tuple(layouts[rid])]:
+            boxes.setdefault((name, wire), []).append(Box(offsets, sizes))
+        result[rid] = boxes
     return result
 
 

@@ -339,7 +339,8 @@ class WeightSync:
             except TensorwireError as e:  # a trainer died or stalled: complete from the others when they hold it all
                 if getattr(e, "trainer", None) is None or not self._fail_over(e, replaced, lost):
                     raise
-                have = failover.arrived(self._id, self.version, {r: self._receivers[r] for r in live}, self.timeout_s)
+                actors = {r: self._receivers[r] for r in live}
+                have = failover.arrived(self._id, self.version, actors, self._layouts, self.timeout_s)
         report.replaced, report.seconds = replaced, time.perf_counter() - start  # every try
         report.pairs.update(failover_pairs(lost))
         record(self.name, failover_pairs(lost))
