@@ -25,9 +25,20 @@ from tensorwire.runtime import calls
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.agent.wire import peer_from_bytes
 
-__all__ = ["COMMIT", "Vote", "abort_check", "ended_early", "first_failure", "report_stall", "stalled", "vote"]
+__all__ = [
+    "COMMIT",
+    "SOURCE_LOST",
+    "Vote",
+    "abort_check",
+    "ended_early",
+    "first_failure",
+    "report_stall",
+    "stalled",
+    "vote",
+]
 
 COMMIT = b"commit"
+SOURCE_LOST = b"abort, a trainer was lost: "  # receivers go on reading the other trainers (failover)
 _DECISION = "decision"
 _POLL_S = 0.05  # how long the driver waits for one message before it looks at the calls again
 
@@ -52,7 +63,8 @@ def vote(spec: PushSpec) -> str | None:
 
 def abort_check(spec: PushSpec) -> Callable[[], None] | None:
     """Receiver of an all-or-none push: a check that raises once the driver aborted the push
-    (for waits on buckets; None when there is no vote)."""
+    (for waits on buckets; None when there is no vote). An abort because a trainer died or
+    stalled does not stop it: what the other trainers send is kept for the failover's next try."""
     if spec.commit != "all" or not spec.driver:
         return None
     agent = runtime_agent()
@@ -62,7 +74,7 @@ def abort_check(spec: PushSpec) -> Callable[[], None] | None:
             decision = agent.rendezvous_get(spec.channel, _DECISION, timeout_s=0.0)
         except TensorwireError:
             return  # no decision yet
-        if decision != COMMIT:
+        if decision != COMMIT and not decision.startswith(SOURCE_LOST):
             raise TensorwireError(f"the push was aborted: {decision.decode(errors='replace')}")
 
     return check
@@ -118,13 +130,15 @@ class Vote:
                 return  # not yet: the caller looks at the calls first
             self.ready.add(rank)
 
-    def decide(self, failure: str | None) -> None:
-        """Commit when no ``failure`` and every receiver is ready; abort on a failure."""
+    def decide(self, failure: str | None, *, source_lost: bool = False) -> None:
+        """Commit when no ``failure`` and every receiver is ready; abort on a failure
+        (``source_lost``: a trainer died or stalled)."""
         if self.decision is not None:
             return
         if failure is None and len(self.ready) < len(self.receivers):
             return
-        self.decision = COMMIT if failure is None else f"abort: {failure}".encode()[:4096]
+        prefix = SOURCE_LOST if source_lost else b"abort: "
+        self.decision = COMMIT if failure is None else (prefix + failure.encode())[:4096]
         agent = runtime_agent()
         waits: list[Callable[[], None]] = []
         for peer in self.receivers.values():
@@ -151,14 +165,16 @@ def first_failure(outcomes: Sequence[tuple[str, calls.Outcome]]) -> str | None:
     return None
 
 
-def ended_early(members: dict[Any, str], done: Sequence[Any], timeout_s: float) -> str | None:
+def ended_early(members: dict[Any, str], done: Sequence[Any], timeout_s: float) -> tuple[str | None, bool]:
     """Why a push cannot commit, from the calls (``members``: call -> who) that ended before
-    the decision: a member that failed or died, or a receiver that ended without committing."""
+    the decision: a member that failed or died, or a receiver that ended without committing;
+    and whether it is a trainer that died."""
     outcomes = [(members[ref], calls.settle(ref, timeout_s=timeout_s)) for ref in done]
-    failure = first_failure(outcomes)
-    if failure is not None:
-        return failure
+    for who, outcome in outcomes:
+        if not outcome.ok:
+            died = outcome.failure is calls.CallFailure.ACTOR_DIED
+            return first_failure([(who, outcome)]), died and who.startswith("trainer")
     for who, outcome in outcomes:
         if who.startswith("receiver") and not outcome.value.committed:
-            return f"{who} ended without committing: {outcome.value.refused}"
-    return None
+            return f"{who} ended without committing: {outcome.value.refused}", False
+    return None, False

@@ -48,7 +48,7 @@ from tensorwire.collectives.sync_spec import (
     SendResult,
     assign_roles,
 )
-from tensorwire.errors import TensorwireError, TransferTimeoutError
+from tensorwire.errors import PeerLostError, TensorwireError, TransferTimeoutError
 from tensorwire.runtime.hooks import actor_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.agent.wire import peer_from_bytes
@@ -335,17 +335,58 @@ def _take_object(
     return fetched.transport, fetched.copy_s + time.perf_counter() - copy_start, fetched.tensors
 
 
+class _TrainerLost(TensorwireError):
+    """A trainer this receiver reads from died or stalled: the failover may replace it."""
+
+
 def _next_bucket(channel: Channel, spec: PushSpec, parent: int, key: str, check: Callable[[], None] | None) -> bytes:
     """The message of the next bucket from ``parent``; a trainer that sends none within
     ``stall_s`` stalled (the driver is told, to replace it)."""
     from_trainer = parent < spec.trainers
     try:
         return channel.recv(parent, key, timeout_s=spec.stall_s if from_trainer and spec.stall_s else None, check=check)
+    except PeerLostError as e:
+        if not from_trainer:
+            raise
+        raise _TrainerLost(str(e)) from None
     except TransferTimeoutError:
         if not from_trainer:
             raise
         report_stall(spec, parent)
-        raise TensorwireError(f"trainer member {parent} stalled: no {key} within {spec.stall_s:g} s") from None
+        raise _TrainerLost(f"trainer member {parent} stalled: no {key} within {spec.stall_s:g} s") from None
+
+
+def _take_from(
+    channel: Channel,
+    spec: PushSpec,
+    parent: int,
+    bucket: tuple[BucketKind, bytes],
+    *,
+    views: list[torch.Tensor],
+    dtypes: list[torch.dtype],
+) -> tuple[str, float, list[torch.Tensor]]:
+    """:func:`_take` of a bucket from ``parent``; a trainer that died while it was read is lost
+    (the pieces read in part are not counted as arrived: the failover reads them again)."""
+    try:
+        return _take(channel, spec, bucket, views, dtypes)
+    except TensorwireError as e:
+        if parent < spec.trainers and not channel.alive(parent):
+            raise _TrainerLost(f"member {parent} exited while its bucket was read: {e}") from None
+        raise
+
+
+def _acknowledge(channel: Channel, spec: PushSpec, parent: int, key: str) -> Callable[[], None]:
+    """Start acknowledging a bucket; the returned function waits for it. A trainer that died
+    meanwhile is not an error here: its next bucket's wait says so (or it had sent them all)."""
+    wait = channel.post(parent, key, b"")
+    if parent >= spec.trainers:
+        return wait
+
+    def done() -> None:
+        with contextlib.suppress(PeerLostError):
+            wait()
+
+    return done
 
 
 def _arrived(spec: PushSpec, bucket: tuple[Region, ...]) -> list[receiver_state.Received]:
@@ -369,6 +410,7 @@ def receive(
     acks: list[Callable[[], None]] = []
     spans: list[BucketSpan] = []
     acked = {role.stream: 0 for role in spec.roles}
+    lost: dict[int, _TrainerLost] = {}  # stream -> its trainer died or stalled: the others are still read
     try:
         with serving(list(fanouts.values()), f"relay {spec.rank}"):
             try:
@@ -376,20 +418,28 @@ def receive(
                 dsts = receiver_state.destinations(spec, targets)
                 for k in range(max((len(r.buckets) for r in spec.roles), default=0)):
                     for role in spec.roles:
-                        if k >= len(role.buckets):
+                        if k >= len(role.buckets) or role.stream in lost:
                             continue
                         key = f"s{role.stream}/b{k}"
                         what = f"bucket {k} from member {role.parent}"
-                        message = _next_bucket(channel, spec, role.parent, key, aborted)
-                        kind, expected, payload = parse_message(message, what)
-                        if kind is BucketKind.ABORT:
-                            raise TensorwireError(f"{what} will not come: {payload.decode(errors='replace')}")
                         bucket = role.buckets[k]
                         prepared = _memo(bucket, lambda b: _bucket_views(b, spec.layout))
                         views = [_view(dsts[param], where) for param, where, _d in prepared]
                         dtypes = [dtype for _p, _w, dtype in prepared]
-                        began, fetch_start = time.time(), time.perf_counter()
-                        transport, slow_s, sent = _take(channel, spec, (kind, payload), views, dtypes)
+                        try:
+                            message = _next_bucket(channel, spec, role.parent, key, aborted)
+                            kind, expected, payload = parse_message(message, what)
+                            if kind is BucketKind.ABORT:
+                                raise TensorwireError(f"{what} will not come: {payload.decode(errors='replace')}")
+                            began, fetch_start = time.time(), time.perf_counter()
+                            transport, slow_s, sent = _take_from(
+                                channel, spec, role.parent, (kind, payload), views=views, dtypes=dtypes
+                            )
+                        except _TrainerLost as e:  # what the others send is kept for the failover
+                            lost[role.stream] = e
+                            if role.stream in fanouts:
+                                fanouts[role.stream].abort(str(e))
+                            continue
                         took = time.perf_counter() - fetch_start
                         transports[transport] = transports.get(transport, 0) + 1
                         unpack_s += slow_s
@@ -405,7 +455,7 @@ def receive(
                                 raise TensorwireError(f"bucket {k} from member {role.parent}: checksum mismatch")
                         arrived = _memo(role.buckets, lambda buckets: [_arrived(spec, b) for b in buckets])
                         receiver_state.note_received(spec, arrived[k])
-                        acks.append(channel.post(role.parent, f"{key}/ack", b""))
+                        acks.append(_acknowledge(channel, spec, role.parent, f"{key}/ack"))
                         acked[role.stream] = k + 1
                         if role.stream in fanouts:
                             fanouts[role.stream].offer(k, [(t, t.dtype) for t in sent], expected)
@@ -414,6 +464,8 @@ def receive(
                     _at_fault_point("receiver", k)
                 for ack in acks:
                     ack()
+                if lost:
+                    raise next(iter(lost.values()))
                 receiver_state.quantise(spec, targets, dsts)
                 receiver_state.check_commit(actor, spec)  # a missing fence or hook fails before the vote
                 refused = commit_vote(spec) if spec.commit == "all" else None

@@ -34,8 +34,9 @@ def test_a_replica_trainer_killed_mid_push_is_replaced_and_the_push_completes_ex
     assert list(report.replaced) == ["trainer 1"] and "died during the push" in report.replaced["trainer 1"]
     assert digests(receivers) == [ray.get(trainers[0].digest.remote())] * 3  # exact, version 2
     assert sync.versions() == [2, 2, 2] and len(sync.trainers) == 1
-    # only what the first try had not delivered was read again, all of it from trainer 0
-    assert 0 < report.kept_nbytes < report.plan_nbytes
+    # only what the first try had not delivered was read again, all of it from trainer 0; the
+    # receivers read all of trainer 0's half in the first try, after trainer 1 was gone
+    assert report.plan_nbytes // 2 <= report.kept_nbytes < report.plan_nbytes
     assert report.moved_nbytes + report.kept_nbytes == report.plan_nbytes
     read = {k: p for k, p in report.pairs.items() if p.transfers}
     assert {k[0] for k in read} == {"trainer 0"} and all(p.retries == p.transfers for p in read.values())
