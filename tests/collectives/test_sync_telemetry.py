@@ -8,7 +8,8 @@ import ray
 
 import tensorwire as tw
 from tensorwire.collectives.sync_spec import BucketSpan, ReceiveResult
-from tensorwire.collectives.sync_telemetry import PairStats, pairs_of
+from tensorwire.collectives.sync_telemetry import PairStats, failover_pairs, pairs_of, record
+from tensorwire.transport.agent import metrics
 from tests.collectives.actors import Holder
 
 
@@ -76,6 +77,28 @@ def test_a_push_reports_every_pair_exports_them_and_draws_them(ray_local, tmp_pa
     report.plot(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sync.close()
+
+
+def test_retries_and_failovers_are_counted_per_pair_and_exported():
+    names = {0: "trainer 0", 1: "receiver 3"}
+    retried, _ = pairs_of(
+        {3: result(BucketSpan(0, 0, "shm", 5.0, 0.5, 8), BucketSpan(0, 1, "shm", 6.0, 0.5, 8))},
+        names,
+        started=5.0,
+        retry=True,
+    )
+    assert retried[("trainer 0", "receiver 3", "shm")].retries == 2
+    first, _ = pairs_of({3: result(BucketSpan(0, 0, "shm", 5.0, 0.5, 8))}, names, started=5.0)
+    assert first[("trainer 0", "receiver 3", "shm")].retries == 0
+    lost = failover_pairs({("trainer 1", "receiver 3"): 1})
+    assert lost == {("trainer 1", "receiver 3", "-"): PairStats("trainer 1", "receiver 3", "-", failovers=1)}
+    assert metrics.enable_prometheus()  # (the agent does it when it starts)
+    labels = {"sync": "fo-test", "destination": "receiver 3"}
+    record("fo-test", retried)
+    record("fo-test", lost)
+    record("fo-test", lost)
+    assert scraped("tensorwire_sync_pair_retries_total", source="trainer 0", transport="shm", **labels) == 2
+    assert scraped("tensorwire_sync_pair_failovers_total", source="trainer 1", transport="-", **labels) == 2
 
 
 def test_a_dead_receivers_pairs_count_an_error(ray_local):
