@@ -28,6 +28,7 @@ from tensorwire.transport.agent.wire import peer_from_bytes
 __all__ = [
     "COMMIT",
     "SOURCE_LOST",
+    "TrainerLost",
     "Vote",
     "abort_check",
     "ended_early",
@@ -61,21 +62,32 @@ def vote(spec: PushSpec) -> str | None:
     return None if decision == COMMIT else decision.decode(errors="replace")
 
 
-def abort_check(spec: PushSpec) -> Callable[[], None] | None:
-    """Receiver of an all-or-none push: a check that raises once the driver aborted the push
-    (for waits on buckets; None when there is no vote). An abort because a trainer died or
-    stalled does not stop it: what the other trainers send is kept for the failover's next try."""
+class TrainerLost(TensorwireError):
+    """A receiver lost a trainer it reads from (it died or stalled): the failover may replace it."""
+
+
+def abort_check(spec: PushSpec) -> Callable[[int], None] | None:
+    """Receiver of an all-or-none push: ``check(parent)`` raises once the driver aborted the
+    push (for waits on a bucket from channel rank ``parent``; None when there is no vote). An
+    abort because a trainer was lost stops only the waits on that trainer (``TrainerLost``: on
+    another node its death shows only here): what the others send is kept for the next try."""
     if spec.commit != "all" or not spec.driver:
         return None
     agent = runtime_agent()
 
-    def check() -> None:
+    def check(parent: int) -> None:
         try:
             decision = agent.rendezvous_get(spec.channel, _DECISION, timeout_s=0.0)
         except TensorwireError:
             return  # no decision yet
-        if decision != COMMIT and not decision.startswith(SOURCE_LOST):
-            raise TensorwireError(f"the push was aborted: {decision.decode(errors='replace')}")
+        if decision == COMMIT:
+            return
+        if decision.startswith(SOURCE_LOST):
+            rank, _, why = decision[len(SOURCE_LOST) :].partition(b" ")
+            if int(rank) == parent:
+                raise TrainerLost(f"trainer member {parent} was lost: {why.decode(errors='replace')}")
+            return
+        raise TensorwireError(f"the push was aborted: {decision.decode(errors='replace')}")
 
     return check
 
@@ -130,14 +142,14 @@ class Vote:
                 return  # not yet: the caller looks at the calls first
             self.ready.add(rank)
 
-    def decide(self, failure: str | None, *, source_lost: bool = False) -> None:
+    def decide(self, failure: str | None, *, lost_trainer: int | None = None) -> None:
         """Commit when no ``failure`` and every receiver is ready; abort on a failure
-        (``source_lost``: a trainer died or stalled)."""
+        (``lost_trainer``: the channel rank of a trainer that died or stalled, -1 unknown)."""
         if self.decision is not None:
             return
         if failure is None and len(self.ready) < len(self.receivers):
             return
-        prefix = SOURCE_LOST if source_lost else b"abort: "
+        prefix = b"abort: " if lost_trainer is None else SOURCE_LOST + f"{lost_trainer} ".encode()
         self.decision = COMMIT if failure is None else (prefix + failure.encode())[:4096]
         agent = runtime_agent()
         waits: list[Callable[[], None]] = []
@@ -165,16 +177,24 @@ def first_failure(outcomes: Sequence[tuple[str, calls.Outcome]]) -> str | None:
     return None
 
 
-def ended_early(members: dict[Any, str], done: Sequence[Any], timeout_s: float) -> tuple[str | None, bool]:
-    """Why a push cannot commit, from the calls (``members``: call -> who) that ended before
-    the decision: a member that failed or died, or a receiver that ended without committing;
-    and whether it is a trainer that died."""
-    outcomes = [(members[ref], calls.settle(ref, timeout_s=timeout_s)) for ref in done]
-    for who, outcome in outcomes:
-        if not outcome.ok:
-            died = outcome.failure is calls.CallFailure.ACTOR_DIED
-            return first_failure([(who, outcome)]), died and who.startswith("trainer")
-    for who, outcome in outcomes:
+def ended_early(
+    members: dict[Any, str], done: Sequence[Any], trainers: Sequence[Any], *, timeout_s: float
+) -> tuple[str | None, int | None]:
+    """Why a push cannot commit, from the calls (``members``: call -> who; ``trainers``: the
+    trainers' calls in rank order) that ended before the decision: a member that failed or
+    died, or a receiver that ended without committing; and the rank of the trainer that was
+    lost, if that is why (-1: a receiver lost one, which is not known here; None: not that)."""
+    outcomes = [(ref, members[ref], calls.settle(ref, timeout_s=timeout_s)) for ref in done]
+    for ref, who, outcome in outcomes:
+        if outcome.ok:
+            continue
+        lost = None
+        if outcome.failure is calls.CallFailure.ACTOR_DIED and ref in trainers:
+            lost = trainers.index(ref)
+        elif isinstance(outcome.error, TrainerLost):  # (Ray's error is also an instance of the call's own)
+            lost = -1
+        return first_failure([(who, outcome)]), lost
+    for _ref, who, outcome in outcomes:
         if who.startswith("receiver") and not outcome.value.committed:
-            return f"{who} ended without committing: {outcome.value.refused}", False
-    return None, False
+            return f"{who} ended without committing: {outcome.value.refused}", None
+    return None, None

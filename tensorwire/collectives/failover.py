@@ -16,6 +16,7 @@ to a push that is over and is dropped.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping as MappingABC
 from collections.abc import Sequence
 
@@ -27,6 +28,8 @@ from tensorwire.runtime.actor import ActorHandle
 from tensorwire.runtime.hooks import call_hook
 
 __all__ = ["arrived", "count_lost", "replan_without"]
+
+logger = logging.getLogger(__name__)
 
 
 def replan_without(
@@ -54,6 +57,7 @@ def arrived(
     version: int,
     receivers: MappingABC[int, ActorHandle],
     layouts: MappingABC[int, Sequence[HeldParam]],
+    *,
     timeout_s: float,
 ) -> dict[int, dict[tuple[str, str], list[Box]]]:
     """Per receiver, the pieces of ``version`` it already holds (asked all at once; a receiver
@@ -65,8 +69,14 @@ def arrived(
     held: dict[int, set[tuple]] = {}
     for rid, ref in refs.items():
         outcome = calls.settle(ref, timeout_s=1.0) if ref in answered else None
-        ok = outcome is not None and outcome.ok
-        held[rid] = {(n, w, tuple(o), tuple(z)) for n, w, o, z in outcome.value} if ok else set()
+        if outcome is None or not outcome.ok:
+            logger.warning(
+                "weight sync failover: receiver %d did not say what arrived (%s); it reads all again",
+                rid,
+                "no answer in time" if outcome is None else outcome.reason,
+            )
+            continue
+        held[rid] = {(n, w, tuple(o), tuple(z)) for n, w, o, z in outcome.value}
     by_layout: dict[tuple[HeldParam, ...], set[tuple]] = {}
     for rid, pieces in held.items():
         key = tuple(layouts[rid])

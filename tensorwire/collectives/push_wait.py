@@ -61,11 +61,11 @@ class PushWait:
                 if vote is not None and vote.decision is None:
                     vote.collect()
                     done, pending = calls.wait_all(pending, timeout_s=0.0)
-                    failure, lost = ended_early(members, done, self.timeout_s)
+                    failure, lost = ended_early(members, done, trainers, timeout_s=self.timeout_s)
                     if failure is None and stalls:
-                        rank, reporter = next(iter(stalls.items()))
-                        failure, lost = f"{members[trainers[rank]]} stalled (reported by channel rank {reporter})", True
-                    vote.decide(failure, source_lost=lost)
+                        lost, reporter = next(iter(stalls.items()))
+                        failure = f"{members[trainers[lost]]} stalled (reported by channel rank {reporter})"
+                    vote.decide(failure, lost_trainer=lost)
                 else:
                     _done, pending = calls.wait_all(pending, timeout_s=0.1)
                 if not self.progress:

@@ -21,6 +21,7 @@ __all__ = [
     "Received",
     "check_commit",
     "commit",
+    "committed_already",
     "destinations",
     "note_received",
     "quantise",
@@ -100,8 +101,11 @@ def destinations(spec: PushSpec, targets: list[torch.Tensor]) -> list[torch.Tens
     fp8 = {p for p, _scale in spec.scales}
     result = []
     for i, target in enumerate(targets):
+        staged = _shadows.get((spec.sync_id, -1 - i))  # (a failover's next try may read none of it: kept)
         if i in fp8 and i in wire:
             result.append(_kept((spec.sync_id, -1 - i), target.shape, getattr(torch, wire[i]), target.device))
+        elif i in fp8 and staged is not None:
+            result.append(staged)
         elif spec.atomic:
             result.append(_kept((spec.sync_id, i), target.shape, target.dtype, target.device))
         else:
@@ -116,8 +120,11 @@ def _shadow(spec: PushSpec, targets: list[torch.Tensor], i: int) -> torch.Tensor
 
 
 def quantise(spec: PushSpec, targets: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
-    """Float8 parameters: scale = amax of the piece / the dtype's max; write both."""
+    """Float8 parameters: scale = amax of the piece / the dtype's max; write both (only those
+    assembled in a staging tensor of the wire dtype)."""
     for param, scale_param in spec.scales:
+        if dsts[param] is not _shadows.get((spec.sync_id, -1 - param)):
+            continue
         out = _shadow(spec, targets, param)
         high = dsts[param].float()
         top = torch.finfo(out.dtype).max
@@ -153,9 +160,8 @@ def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
     fence (readers holding the fence see whole versions); then its ``on_commit`` hook, once
     per version (a push of a version it committed already, a failover's second try, changes
     nothing: it read nothing new)."""
-    with _lock:
-        if _last_commit.get(spec.name) == (spec.sync_id, spec.version):
-            return
+    if committed_already(spec):
+        return
     if spec.atomic:
         with _fence(actor, spec):
             for i, target in enumerate(targets):
@@ -170,6 +176,13 @@ def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
         hook(spec.version)
     else:
         hook(actor, spec.version)
+
+
+def committed_already(spec: PushSpec) -> bool:
+    """Whether this receiver committed ``spec.version`` of this sync already (a failover's next
+    try then changes nothing)."""
+    with _lock:
+        return _last_commit.get(spec.name) == (spec.sync_id, spec.version)
 
 
 def _publish(spec: PushSpec) -> None:

@@ -20,20 +20,17 @@ from typing import Any
 
 import torch
 
+from tensorwire.collectives import bucket_intake as intake
 from tensorwire.collectives import receiver_state
 from tensorwire.collectives.channel import Channel, member_from
-from tensorwire.collectives.commit import abort_check, report_stall
+from tensorwire.collectives.commit import TrainerLost, abort_check
 from tensorwire.collectives.commit import vote as commit_vote
 from tensorwire.collectives.fanout import (
-    SLOT,
     BucketKind,
     Fanout,
     Piece,
     checksum,
     parse_message,
-    parse_mixed,
-    read_slot,
-    ring_reader,
     serving,
 )
 from tensorwire.collectives.fanout import release as release_staging
@@ -48,7 +45,7 @@ from tensorwire.collectives.sync_spec import (
     SendResult,
     assign_roles,
 )
-from tensorwire.errors import PeerLostError, TensorwireError, TransferTimeoutError
+from tensorwire.errors import TensorwireError
 from tensorwire.runtime.hooks import actor_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.agent.wire import peer_from_bytes
@@ -281,114 +278,6 @@ def _wire(piece: Piece) -> torch.Tensor:
     return view if view.dtype == dtype else view.to(dtype)
 
 
-def _take(
-    channel: Channel,
-    spec: PushSpec,
-    bucket: tuple[BucketKind, bytes],
-    views: list[torch.Tensor],
-    dtypes: list[torch.dtype],
-) -> tuple[str, float, list[torch.Tensor]]:
-    """Copy one bucket into ``views``: from the sender's staging slot, as an announced object
-    (read in place), or some pieces each way. Returns the transport, the seconds spent on
-    strided or converted copies, and the bucket's tensors as sent (to relay)."""
-    kind, payload = bucket
-    if kind is BucketKind.RING:
-        transport, slow_s = _take_ring(spec, payload, views, dtypes)
-        return transport, slow_s, views
-    if kind is BucketKind.OBJECT:
-        return _take_object(channel, spec, payload, views, dtypes)
-    mask, ring_payload, announcement = parse_mixed(payload)
-    if len(mask) != len(views):
-        raise TensorwireError(f"a mixed bucket of {len(mask)} pieces, expected {len(views)}")
-    ringed = [i for i, m in enumerate(mask) if not m]
-    direct = [i for i, m in enumerate(mask) if m]
-    _ring, ring_slow_s = _take_ring(spec, ring_payload, [views[i] for i in ringed], [dtypes[i] for i in ringed])
-    transport, slow_s, _sent = _take_object(
-        channel, spec, announcement, [views[i] for i in direct], [dtypes[i] for i in direct]
-    )
-    return transport, ring_slow_s + slow_s, views
-
-
-def _take_ring(
-    spec: PushSpec, payload: bytes, views: list[torch.Tensor], dtypes: list[torch.dtype]
-) -> tuple[str, float]:
-    (slot_nbytes,) = SLOT.unpack_from(payload)
-    transport, reader = ring_reader(spec.sync_id)
-    array = reader.mapped(payload[SLOT.size :].decode(), slot_nbytes)
-    return transport, read_slot(array, views, dtypes)
-
-
-def _take_object(
-    channel: Channel, spec: PushSpec, announcement: bytes, views: list[torch.Tensor], dtypes: list[torch.dtype]
-) -> tuple[str, float, list[torch.Tensor]]:
-    direct = [v.dtype == d and v.is_contiguous() for v, d in zip(views, dtypes, strict=True)]
-    fetched = channel.fetch(
-        announcement,
-        [v if ok else None for v, ok in zip(views, direct, strict=True)],
-        transport=spec.transport,
-        targets=[v.device for v in views],
-    )
-    copy_start = time.perf_counter()
-    for i, ok in enumerate(direct):
-        if not ok:
-            views[i].copy_(fetched.tensors[i])
-    return fetched.transport, fetched.copy_s + time.perf_counter() - copy_start, fetched.tensors
-
-
-class _TrainerLost(TensorwireError):
-    """A trainer this receiver reads from died or stalled: the failover may replace it."""
-
-
-def _next_bucket(channel: Channel, spec: PushSpec, parent: int, key: str, check: Callable[[], None] | None) -> bytes:
-    """The message of the next bucket from ``parent``; a trainer that sends none within
-    ``stall_s`` stalled (the driver is told, to replace it)."""
-    from_trainer = parent < spec.trainers
-    try:
-        return channel.recv(parent, key, timeout_s=spec.stall_s if from_trainer and spec.stall_s else None, check=check)
-    except PeerLostError as e:
-        if not from_trainer:
-            raise
-        raise _TrainerLost(str(e)) from None
-    except TransferTimeoutError:
-        if not from_trainer:
-            raise
-        report_stall(spec, parent)
-        raise _TrainerLost(f"trainer member {parent} stalled: no {key} within {spec.stall_s:g} s") from None
-
-
-def _take_from(
-    channel: Channel,
-    spec: PushSpec,
-    parent: int,
-    bucket: tuple[BucketKind, bytes],
-    *,
-    views: list[torch.Tensor],
-    dtypes: list[torch.dtype],
-) -> tuple[str, float, list[torch.Tensor]]:
-    """:func:`_take` of a bucket from ``parent``; a trainer that died while it was read is lost
-    (the pieces read in part are not counted as arrived: the failover reads them again)."""
-    try:
-        return _take(channel, spec, bucket, views, dtypes)
-    except TensorwireError as e:
-        if parent < spec.trainers and not channel.alive(parent):
-            raise _TrainerLost(f"member {parent} exited while its bucket was read: {e}") from None
-        raise
-
-
-def _acknowledge(channel: Channel, spec: PushSpec, parent: int, key: str) -> Callable[[], None]:
-    """Start acknowledging a bucket; the returned function waits for it. A trainer that died
-    meanwhile is not an error here: its next bucket's wait says so (or it had sent them all)."""
-    wait = channel.post(parent, key, b"")
-    if parent >= spec.trainers:
-        return wait
-
-    def done() -> None:
-        with contextlib.suppress(PeerLostError):
-            wait()
-
-    return done
-
-
 def _arrived(spec: PushSpec, bucket: tuple[Region, ...]) -> list[receiver_state.Received]:
     return [(spec.layout[r.param].name, r.wire_dtype, r.box.offsets, r.box.sizes) for r in bucket]
 
@@ -410,7 +299,7 @@ def receive(
     acks: list[Callable[[], None]] = []
     spans: list[BucketSpan] = []
     acked = {role.stream: 0 for role in spec.roles}
-    lost: dict[int, _TrainerLost] = {}  # stream -> its trainer died or stalled: the others are still read
+    lost: dict[int, TrainerLost] = {}  # stream -> its trainer died or stalled: the others are still read
     try:
         with serving(list(fanouts.values()), f"relay {spec.rank}"):
             try:
@@ -427,15 +316,15 @@ def receive(
                         views = [_view(dsts[param], where) for param, where, _d in prepared]
                         dtypes = [dtype for _p, _w, dtype in prepared]
                         try:
-                            message = _next_bucket(channel, spec, role.parent, key, aborted)
+                            message = intake.next_bucket(channel, spec, role.parent, key, aborted)
                             kind, expected, payload = parse_message(message, what)
                             if kind is BucketKind.ABORT:
                                 raise TensorwireError(f"{what} will not come: {payload.decode(errors='replace')}")
                             began, fetch_start = time.time(), time.perf_counter()
-                            transport, slow_s, sent = _take_from(
+                            transport, slow_s, sent = intake.take_from(
                                 channel, spec, role.parent, (kind, payload), views=views, dtypes=dtypes
                             )
-                        except _TrainerLost as e:  # what the others send is kept for the failover
+                        except TrainerLost as e:  # what the others send is kept for the failover
                             lost[role.stream] = e
                             if role.stream in fanouts:
                                 fanouts[role.stream].abort(str(e))
@@ -455,7 +344,7 @@ def receive(
                                 raise TensorwireError(f"bucket {k} from member {role.parent}: checksum mismatch")
                         arrived = _memo(role.buckets, lambda buckets: [_arrived(spec, b) for b in buckets])
                         receiver_state.note_received(spec, arrived[k])
-                        acks.append(_acknowledge(channel, spec, role.parent, f"{key}/ack"))
+                        acks.append(intake.acknowledge(channel, spec, role.parent, f"{key}/ack"))
                         acked[role.stream] = k + 1
                         if role.stream in fanouts:
                             fanouts[role.stream].offer(k, [(t, t.dtype) for t in sent], expected)
@@ -466,7 +355,8 @@ def receive(
                     ack()
                 if lost:
                     raise next(iter(lost.values()))
-                receiver_state.quantise(spec, targets, dsts)
+                if not receiver_state.committed_already(spec):
+                    receiver_state.quantise(spec, targets, dsts)
                 receiver_state.check_commit(actor, spec)  # a missing fence or hook fails before the vote
                 refused = commit_vote(spec) if spec.commit == "all" else None
                 if refused is None:

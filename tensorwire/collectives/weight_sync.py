@@ -340,7 +340,7 @@ class WeightSync:
                 if getattr(e, "trainer", None) is None or not self._fail_over(e, replaced, lost):
                     raise
                 actors = {r: self._receivers[r] for r in live}
-                have = failover.arrived(self._id, self.version, actors, self._layouts, self.timeout_s)
+                have = failover.arrived(self._id, self.version, actors, self._layouts, timeout_s=self.timeout_s)
         report.replaced, report.seconds = replaced, time.perf_counter() - start  # every try
         report.pairs.update(failover_pairs(lost))
         record(self.name, failover_pairs(lost))

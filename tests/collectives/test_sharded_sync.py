@@ -256,3 +256,25 @@ def test_a_transform_on_the_trainer_and_a_fence_of_the_receiver(ray_local):
     assert torch.equal(got["b"], (full_tensor("b", (32,)) * 2).to(torch.bfloat16))  # doubled, then converted
     assert ray.get(receiver.fence_entries.remote()) == 2  # one publication per push, inside the receiver's fence
     sync.close()
+
+
+@pytest.mark.parametrize("commit", ["all", "each"])
+def test_a_replica_killed_mid_push_leaves_float8_and_every_layout_exact(ray_local, commit):
+    """Failover reads only what had not arrived: a float8 parameter that arrived whole in the
+    first try is quantised from what arrived, not from what the receiver held before."""
+    trainers = [Pieces.remote(trainer_entries(0, world=1), version=1) for _ in range(2)]  # two whole replicas
+    receivers = [Pieces.remote(receiver_entries(c)) for c in COORDS]
+    sync = tw.WeightSync(
+        trainers, receivers, rename=RENAME, fuse=FUSE, scales={"r.fp8": "r.fp8_scale"}, bucket_bytes=256, commit=commit
+    )
+    assert sync.push().ok
+    ray.get([t.become.remote(2) for t in trainers])
+    ray.get(trainers[1].die_at.remote("trainer", 1))
+    report = sync.push()
+    assert report.ok, report.failed
+    assert list(report.replaced) == ["trainer 1"] and report.kept_nbytes > 0
+    for coord, got in zip(COORDS, ray.get([r.tensors.remote() for r in receivers]), strict=True):
+        want = expected(coord, 2)
+        wrong = [name for name in want if not same(got[name], want[name])]
+        assert not wrong, f"receiver {coord}: {wrong} differ"
+    sync.close()
