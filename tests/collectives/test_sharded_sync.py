@@ -265,11 +265,14 @@ def test_a_replica_killed_mid_push_leaves_float8_and_every_layout_exact(ray_loca
     trainers = [Pieces.remote(trainer_entries(0, world=1), version=1) for _ in range(2)]  # two whole replicas
     receivers = [Pieces.remote(receiver_entries(c)) for c in COORDS]
     sync = tw.WeightSync(
-        trainers, receivers, rename=RENAME, fuse=FUSE, scales={"r.fp8": "r.fp8_scale"}, bucket_bytes=256, commit=commit
+        trainers, receivers, rename=RENAME, fuse=FUSE, scales={"r.fp8": "r.fp8_scale"}, bucket_bytes=64, commit=commit
     )
-    assert sync.push().ok
+    first = sync.push()
+    assert first.ok
+    levels = 1 + max(s.bucket for s in first.timeline if s.source == "trainer 1")
+    assert levels >= 4  # so that it dies with buckets left
     ray.get([t.become.remote(2) for t in trainers])
-    ray.get(trainers[1].die_at.remote("trainer", 1))
+    ray.get(trainers[1].die_at.remote("trainer", levels // 2 - 1))
     report = sync.push()
     assert report.ok, report.failed
     assert list(report.replaced) == ["trainer 1"] and report.kept_nbytes > 0
