@@ -173,6 +173,8 @@ class ObjectStore:
         handles: dict[str, bytes] = {}
         memory = {m.memory for m in entry.stored.metas}
         transports = self._transports.usable()
+        if any(n in transports and transports[n].capabilities.carries_value for n in made):
+            return handles  # the bytes travel in the reference already: no other handle needed
         exporters = [
             n
             for n, t in transports.items()

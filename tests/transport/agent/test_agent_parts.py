@@ -133,3 +133,14 @@ def test_exports_for_readers_on_this_node_leave_out_transports_that_reach_other_
     anywhere = set(agent.export_handles(desc))
     assert only_here < anywhere and anywhere & remote
     del ref
+
+
+def test_a_value_that_travels_in_the_reference_gets_no_other_export_later(agent):
+    carriers = [n for n, t in agent.transports().items() if t.capabilities.carries_value]
+    if not carriers:
+        pytest.skip("no transport here carries values in the reference")
+    ref = tw.put(torch.arange(4, dtype=torch.float32))  # small: it travels inline
+    first = agent.export_handles(ref.state.desc, across_nodes=False)
+    assert set(first) == set(carriers)
+    assert agent.export_handles(ref.state.desc) == first  # for anyone: still nothing else
+    del ref
