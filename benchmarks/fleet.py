@@ -10,7 +10,7 @@ them) and once with none left (pushed from the trainers), timed once the newcome
 up. Every push and catch-up is checked against the trainer's checksum.
 
 Run: ``python -m benchmarks.fleet`` (256 MiB, 3 receivers, 3 rounds: a few minutes on 2 cores);
-``--mib 32`` for a quick look.
+``--mib 32`` for a quick look; ``--aside none`` for all-or-none written in place (no shadow).
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ def check(receivers: list, expected: float, what: str) -> None:
         raise SystemExit(f"{what}: a receiver holds other bytes than the trainer")
 
 
-def one_round(nbytes: int, receivers: int, bucket: int) -> dict[str, float]:
+def one_round(nbytes: int, receivers: int, bucket: int, aside: str) -> dict[str, float]:
     trainers = [Rank.remote(nbytes, seed=1) for _ in range(2)]
     readers = [Rank.remote(nbytes, seed=None) for _ in range(receivers)]
-    sync = tw.WeightSync(trainers, readers, source="weights", bucket_bytes=bucket, progress=False)
+    sync = tw.WeightSync(trainers, readers, source="weights", bucket_bytes=bucket, progress=False, aside=aside)
     expected = ray.get(trainers[0].checksum.remote())
     try:
         for _ in range(2):
@@ -95,7 +95,14 @@ def one_round(nbytes: int, receivers: int, bucket: int) -> dict[str, float]:
         ray.get(late.checksum.remote())
         from_trainers = timed(lambda: sync.add_receiver(late))
         check([late], expected, "catch-up from the trainers")
-        return {"clean": clean, "killed": killed, "from_replica": from_replica, "from_trainers": from_trainers}
+        aside_mib = report.aside_nbytes / MIB
+        return {
+            "clean": clean,
+            "killed": killed,
+            "from_replica": from_replica,
+            "from_trainers": from_trainers,
+            "aside_mib": aside_mib,
+        }
     finally:
         sync.close()
         for actor in (*trainers, *readers):
@@ -108,12 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--receivers", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mib", type=int, default=16)
+    parser.add_argument("--aside", choices=("shadow", "none"), default="shadow", help="WeightSync(aside=...)")
     args = parser.parse_args(argv)
     tw.init(address="local", include_dashboard=False, num_cpus=8)
-    rounds = [one_round(args.mib * MIB, args.receivers, args.bucket_mib * MIB) for _ in range(args.rounds)]
+    rounds = [one_round(args.mib * MIB, args.receivers, args.bucket_mib * MIB, args.aside) for _ in range(args.rounds)]
     medians = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(
         f"{args.mib} MiB, 2 trainer replicas -> {args.receivers} receivers, {args.bucket_mib} MiB buckets, "
+        f"aside={args.aside!r} ({medians['aside_mib']:.0f} MiB aside per receiver), "
         f"median of {args.rounds} rounds (each checked):"
     )
     print(f"  clean push                     {medians['clean'] * 1e3:9.1f} ms")

@@ -4,7 +4,9 @@ Per process: the version of each named sync it holds completely (:func:`weight_v
 fence an atomic sync publishes under (:func:`weight_fence`), and the *shadows*: where a push
 assembles a version aside (``atomic``, or an all-or-none commit) and the wire-dtype staging of
 float8 parameters, kept across pushes. :func:`commit` makes a version visible: one local copy
-of every shadow inside the fence, then the version and the receiver's ``on_commit`` hook.
+of every shadow inside the fence, then the version and the receiver's ``on_commit`` hook. An
+all-or-none push without shadows (``in_place``) writes into the tensors themselves while the
+fence is held from the receiver's vote until it publishes (:func:`hold_fence`, :func:`let_go`).
 """
 
 from __future__ import annotations
@@ -15,15 +17,22 @@ from collections.abc import Iterator
 
 import torch
 
+from tensorwire.collectives.fence_hold import FenceHold
 from tensorwire.collectives.sync_spec import PushSpec
 
 __all__ = [
+    "TORN",
     "Received",
+    "aside_nbytes",
     "check_commit",
     "commit",
     "committed_already",
     "destinations",
+    "hold_fence",
+    "let_go",
     "note_received",
+    "pause",
+    "promised",
     "quantise",
     "received",
     "release",
@@ -40,10 +49,13 @@ _lock = threading.Lock()
 _shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> shadow, or (sync id, -1 - param) fp8 staging
 _last_commit: dict[str, tuple[str, int]] = {}  # sync name -> (sync id, version) of its last commit here
 _arrived: dict[str, tuple[int, set[Received]]] = {}  # sync id -> (version, the pieces of it that arrived)
+_holds: dict[str, tuple[int, str, FenceHold]] = {}  # sync id -> (version, sync name, fence held while written in place)
+TORN = -1  # weight_version() of a receiver whose tensors hold no whole version (an in-place push failed)
 
 
 def weight_version(name: str = "weights") -> int:
-    """Inside a receiver: the version of weight sync ``name`` it holds completely (0: none)."""
+    """Inside a receiver: the version of weight sync ``name`` it holds completely (0: none;
+    :data:`TORN`, -1: none whole, after an in-place push failed half-way: the next push mends it)."""
     with _lock:
         return _versions.get(name, 0)
 
@@ -56,11 +68,71 @@ def weight_fence(name: str = "weights") -> threading.Lock:
 
 
 def release(sync_id: str) -> None:
-    """Drop the shadows of sync ``sync_id`` in this process."""
+    """Drop the shadows of sync ``sync_id`` in this process (and a fence still held for it)."""
+    let_go(sync_id)
     for key in [key for key in _shadows if key[0] == sync_id]:
         del _shadows[key]
     with _lock:
         _arrived.pop(sync_id, None)
+
+
+def aside_nbytes(sync_id: str) -> int:
+    """Bytes this receiver keeps aside for sync ``sync_id``: shadows and float8 staging."""
+    return sum(t.numel() * t.element_size() for key, t in list(_shadows.items()) if key[0] == sync_id)
+
+
+def hold_fence(actor: object, spec: PushSpec) -> None:
+    """In place: hold the receiver's fence from now (before its vote) until it publishes
+    ``spec.version`` or lets go (at most the push's deadline).
+
+    Raises:
+        TensorwireError: Readers kept the fence for ``timeout_s``, or entering it failed.
+    """
+    hold = FenceHold(lambda: _fence(actor, spec), f"weight sync {spec.name} v{spec.version}", lambda: _tear(spec.name))
+    hold.take(timeout_s=spec.timeout_s, limit_s=spec.deadline_s)
+    with _lock:
+        _holds[spec.sync_id] = (spec.version, spec.name, hold)
+
+
+def promised(spec: PushSpec) -> bool:
+    """Whether this receiver voted to write ``spec.version`` in place and still holds its fence
+    for it (a failover's next try then goes on writing; the hold's limit is the push's again)."""
+    with _lock:
+        kept = _holds.get(spec.sync_id)
+    if kept is None or kept[0] != spec.version or not kept[2].held:
+        return False
+    kept[2].extend(spec.deadline_s)
+    return True
+
+
+def pause(spec: PushSpec) -> None:
+    """A try ended with a trainer lost: keep the fence for the next try, at most ``timeout_s``."""
+    with _lock:
+        kept = _holds.get(spec.sync_id)
+    if kept is not None:
+        kept[2].extend(spec.timeout_s)
+
+
+def let_go(sync_id: str) -> None:
+    """Leave the fence held for sync ``sync_id`` (if any); a version it began to write and did
+    not publish leaves the receiver :data:`TORN`."""
+    with _lock:
+        kept = _holds.pop(sync_id, None)
+        if kept is None:
+            return
+        version, name, hold = kept
+        arrived = _arrived.get(sync_id)
+        written = arrived is not None and arrived[0] == version and bool(arrived[1])
+        published = _last_commit.get(name) == (sync_id, version)
+    if written and not published:
+        _tear(name)
+    hold.let_go()
+
+
+def _tear(name: str) -> None:
+    with _lock:
+        _versions[name] = TORN
+        _last_commit.pop(name, None)
 
 
 def start_receiving(spec: PushSpec) -> None:
@@ -149,7 +221,7 @@ def _fence(actor: object, spec: PushSpec) -> Iterator[None]:
 def check_commit(actor: object, spec: PushSpec) -> None:
     """Raise now what :func:`commit` would: a fence attribute or ``on_commit`` method the
     receiver does not have (before an all-or-none vote, so that the push aborts for all)."""
-    if spec.atomic and spec.fence is not None and getattr(actor, spec.fence, None) is None:
+    if (spec.atomic or spec.in_place) and spec.fence is not None and getattr(actor, spec.fence, None) is None:
         raise AttributeError(f"the receiver ({type(actor).__name__}) has no fence attribute {spec.fence!r}")
     if isinstance(spec.on_commit, str) and not callable(getattr(actor, spec.on_commit, None)):
         raise AttributeError(f"the receiver ({type(actor).__name__}) has no on_commit method {spec.on_commit!r}")
@@ -168,7 +240,8 @@ def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
                 target.copy_(_shadow(spec, targets, i))
             _publish(spec)
     else:
-        _publish(spec)
+        _publish(spec)  # in place: inside the fence held since the vote
+        let_go(spec.sync_id)
     if spec.on_commit is None:
         return
     hook = getattr(actor, spec.on_commit) if isinstance(spec.on_commit, str) else spec.on_commit

@@ -300,10 +300,13 @@ def receive(
     spans: list[BucketSpan] = []
     acked = {role.stream: 0 for role in spec.roles}
     lost: dict[int, TrainerLost] = {}  # stream -> its trainer died or stalled: the others are still read
+    refused: str | None = None
     try:
         with serving(list(fanouts.values()), f"relay {spec.rank}"):
             try:
                 targets = _tensors(actor, spec, "target")
+                if spec.in_place:
+                    _vote_first(actor, spec)
                 dsts = receiver_state.destinations(spec, targets)
                 for k in range(max((len(r.buckets) for r in spec.roles), default=0)):
                     for role in spec.roles:
@@ -358,14 +361,18 @@ def receive(
                 if not receiver_state.committed_already(spec):
                     receiver_state.quantise(spec, targets, dsts)
                 receiver_state.check_commit(actor, spec)  # a missing fence or hook fails before the vote
-                refused = commit_vote(spec) if spec.commit == "all" else None
+                refused = commit_vote(spec) if spec.commit == "all" and not spec.in_place else None
                 if refused is None:
                     receiver_state.commit(actor, spec, targets)
+            except _NotWriting as e:  # in place, and the vote aborted: nothing was written
+                refused = str(e)
+                _tell_parents(channel, spec, acked, f"receiver {spec.rank}: not writing: {refused}")
             except BaseException as e:  # tell the parents, so that they stop waiting for this receiver
-                reason = f"receiver {spec.rank}: {type(e).__name__}: {e}".encode()[:4096]
-                for role in spec.roles:
-                    with contextlib.suppress(TensorwireError):
-                        channel.send(role.parent, f"s{role.stream}/b{acked[role.stream]}/ack", reason)
+                if spec.in_place and isinstance(e, TrainerLost):
+                    receiver_state.pause(spec)  # the fence stays held for the failover's next try
+                elif spec.in_place:
+                    receiver_state.let_go(spec.sync_id)  # torn, if it wrote part of the version
+                _tell_parents(channel, spec, acked, f"receiver {spec.rank}: {type(e).__name__}: {e}")
                 raise
     finally:
         channel.close()
@@ -386,4 +393,40 @@ def receive(
         committed=refused is None,
         refused=refused or "",
         spans=tuple(spans),
+        aside_nbytes=receiver_state.aside_nbytes(spec.sync_id),
     )
+
+
+class _NotWriting(TensorwireError):
+    """An in-place receiver's vote came back ``abort``: it writes nothing."""
+
+
+def _vote_first(actor: object, spec: PushSpec) -> None:
+    """In place: hold the fence and vote before the first write (once per version: a failover's
+    next try goes on writing).
+
+    Raises:
+        _NotWriting: The driver aborted the push (the fence is let go; nothing was written).
+    """
+    if receiver_state.promised(spec):
+        return
+    receiver_state.check_commit(actor, spec)  # a missing fence or hook fails before the vote
+    receiver_state.hold_fence(actor, spec)
+    refused = commit_vote(spec)
+    if refused is not None:
+        receiver_state.let_go(spec.sync_id)
+        raise _NotWriting(refused)
+
+
+def _tell_parents(channel: Channel, spec: PushSpec, acked: dict[int, int], reason: str) -> None:
+    """So that they stop waiting for this receiver's acknowledgements."""
+    for role in spec.roles:
+        with contextlib.suppress(TensorwireError):
+            channel.send(role.parent, f"s{role.stream}/b{acked[role.stream]}/ack", reason.encode()[:4096])
+
+
+@actor_hook
+def abandon(_actor: object, sync_id: str) -> None:
+    """Hook, receiver: the driver gave up an in-place push: let go of the fence (the receiver is
+    ``TORN`` if it wrote part of the version)."""
+    receiver_state.let_go(sync_id)

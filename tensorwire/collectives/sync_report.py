@@ -33,6 +33,8 @@ class SyncReport:
         plan_nbytes: The plan's bytes for those receivers (what a push must move, and no more).
         kept_nbytes: Of those, bytes a try that a failover ended had delivered already: not
             read again (``moved_nbytes + kept_nbytes == plan_nbytes``).
+        aside_nbytes: Most bytes a receiver keeps aside for the sync (shadows of an all-or-none
+            or atomic commit, float8 staging; 0 with ``aside="none"`` and no float8).
         pairs: (source, destination, transport) -> :class:`.sync_telemetry.PairStats` (bytes,
             buckets, seconds, errors), sources and destinations named "trainer i" / "receiver j".
         timeline: Every bucket a receiver that completed took in (:class:`.sync_telemetry.PairSpan`).
@@ -55,6 +57,7 @@ class SyncReport:
     moved_nbytes: int = 0
     plan_nbytes: int = 0
     kept_nbytes: int = 0
+    aside_nbytes: int = 0
     replaced: dict[str, str] = field(default_factory=dict)
     pairs: dict[tuple[str, str, str], PairStats] = field(default_factory=dict)
     timeline: list[PairSpan] = field(default_factory=list)

@@ -72,6 +72,7 @@ class PushSpec:
     on_commit: str | Callable[[object, int], None] | None = None  # receiver: run once per commit
     trainers: int = 0  # ranks below this are trainers
     stall_s: float = 0.0  # receiver: a trainer that sends no next bucket for this long stalled (0: timeout_s)
+    in_place: bool = False  # receiver, all-or-none without shadows: vote first, write inside the fence held till then
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class ReceiveResult:
         committed: Whether it made ``version`` its own (all-or-none: not when the push aborted).
         refused: Why not (the driver's abort, or no word from it).
         spans: Every bucket it took in (:class:`BucketSpan`), for per-pair telemetry.
+        aside_nbytes: Bytes it keeps aside for the sync (shadows, float8 staging).
     """
 
     rank: int
@@ -144,6 +146,7 @@ class ReceiveResult:
     committed: bool = True
     refused: str = ""
     spans: tuple[BucketSpan, ...] = ()
+    aside_nbytes: int = 0
 
 
 def assign_roles(

@@ -21,8 +21,10 @@ names an attribute of the receiver giving a lock or context manager; default
 ``tw.collective.weight_fence(name)``) once the driver saw every receiver ready; on any failure
 every receiver keeps the version it had, bit for bit (:mod:`.commit`). ``commit="each"``: each
 receiver commits on its own, in place (no shadow) unless ``atomic=True`` (a shadow, published
-inside the fence). ``on_commit`` runs in a receiver once per version it commits;
-``wait_version(v)`` waits in the driver until every receiver holds ``v``.
+inside the fence). ``aside="none"`` (every byte held by two trainers): all-or-none with no
+shadow, receivers voting before they write in place inside their fence (:mod:`.fence_hold`).
+``on_commit`` runs in a receiver once per version it commits; ``wait_version(v)`` waits in the
+driver until every receiver holds ``v``.
 
 Membership: ``add_receiver`` / ``remove_receiver`` between pushes. A receiver that dies mid-push
 is dropped (``report.failed``); a trainer that fails fails the push; one that dies or stalls is
@@ -32,14 +34,12 @@ replaced when the others hold its bytes: the push reads what is missing from the
 from __future__ import annotations
 
 import logging
-import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Mapping as MappingABC
 from typing import Any
 
-import cloudpickle
 import torch
 
 from tensorwire.collectives import failover, join, sync_hooks, sync_versions
@@ -49,16 +49,15 @@ from tensorwire.collectives.failover import replan_without
 from tensorwire.collectives.fanout import checksum
 from tensorwire.collectives.layout import HeldParam
 from tensorwire.collectives.plan import Fuse, Held, Mapping, Plan, bucket_plan
+from tensorwire.collectives.push_specs import member_specs, two_sources
 from tensorwire.collectives.push_wait import PushWait
-from tensorwire.collectives.sync_hooks import PushSpec, ReceiveResult, Role, assign_roles, weight_version
+from tensorwire.collectives.sync_hooks import ReceiveResult, Role, weight_version
 from tensorwire.collectives.sync_report import SyncReport
 from tensorwire.collectives.sync_telemetry import failover_pairs, pairs_of, record
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime import calls
 from tensorwire.runtime.actor import ActorHandle
 from tensorwire.runtime.hooks import call_hook
-from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.transport.agent.wire import peer_to_bytes
 from tensorwire.transport.config import validate_timeout
 
 __all__ = ["SyncReport", "WeightSync", "bucket_plan", "checksum", "weight_version"]
@@ -87,6 +86,12 @@ class WeightSync:
         commit: ``"all"``: a version becomes every receiver's or none's (each assembles it aside,
             like ``atomic``, and commits when all have it; on any failure all keep the one they
             had); ``"each"``: every receiver commits on its own (in place unless ``atomic``).
+        aside: Where an all-or-none version is assembled. ``"shadow"``: a copy of each
+            receiver's parameters (kept between pushes; readers wait for one local copy).
+            ``"none"``: in the receivers' tensors, inside their fence held from their vote
+            (before the first write) until they publish: no memory aside (float8 staging
+            apart), readers wait the whole push; needs every byte held by two trainers, so that
+            a lost one is replaced (a push with one source for some bytes uses a shadow).
         on_commit: Run in a receiver once per version it commits: the name of its method
             (called with the version) or a function ``f(actor, version)``.
         bucket_bytes: Bucket size; extra memory is about two buckets per stream and relay.
@@ -113,6 +118,7 @@ class WeightSync:
         atomic: bool = False,
         fence: str | None = None,
         commit: str = "all",
+        aside: str = "shadow",
         on_commit: str | Callable[[Any, int], None] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         transport: str = "auto",
@@ -132,6 +138,8 @@ class WeightSync:
             raise ValueError("bucket_bytes must be a positive number of bytes")
         if commit not in ("all", "each"):
             raise ValueError(f"commit={commit!r}: expected 'all' (every receiver or none) or 'each' (each on its own)")
+        if aside not in ("shadow", "none") or (aside == "none" and (commit != "all" or atomic)):
+            raise ValueError(f"aside={aside!r}: expected 'shadow', or 'none' with commit='all' (and no atomic)")
         if on_commit is not None and not (isinstance(on_commit, str) and on_commit) and not callable(on_commit):
             raise TypeError("on_commit must name a receiver method or be a function f(actor, version)")
         stall_s = timeout_s / 2 if stall_s is None else validate_timeout(stall_s)
@@ -150,6 +158,7 @@ class WeightSync:
         self.atomic = atomic
         self.fence = fence
         self.commit = commit
+        self.aside = aside
         self.on_commit = on_commit
         self.transform = transform
         self.progress = sys.stderr.isatty() if progress is None else progress
@@ -158,25 +167,31 @@ class WeightSync:
         self.stall_s = stall_s
         self.version = 0  # the last version pushed
         self.committed = 0  # the last version committed (all-or-none: by every receiver; "each": by one)
+        self._promised = 0  # in place: the version the receivers voted to write (they hold their fences)
         self._pushes = 0
-        self._id = f"{id(self):x}-{time.monotonic_ns():x}"
+        self.sync_id = f"{id(self):x}-{time.monotonic_ns():x}"
         self._closed = False
         self._dead: set[int] = set()
         self._receivers: dict[int, ActorHandle] = {}
         self._layouts: dict[int, tuple[HeldParam, ...]] = {}
-        self._descriptions: dict[int, tuple[bytes, int]] = {}
+        self.receiver_descriptions: dict[int, tuple[bytes, int]] = {}
         self._next_id = 0
         self.caught_up: dict[int, str] = {}  # receiver id -> where its first version came from
-        self._roles: tuple[Any, dict[int, bytes], dict[int, tuple[Role, ...]], int] | None = None
+        self._roles: tuple[Any, bool, dict[int, bytes], dict[int, tuple[Role, ...]], int] | None = None
         mapping = Mapping.build(rename, fuse, scales)
         refs = [call_hook(t, sync_hooks.layout, source, "source") for t in trainers]
         layouts = calls.gather(refs, timeout_s=timeout_s)
-        self._trainer_layouts = [tuple(layout) for layout in layouts]
-        self._trainer_descriptions = describe_actors(trainers, timeout_s)
+        self.trainer_layouts = [tuple(layout) for layout in layouts]
+        self.trainer_descriptions = describe_actors(trainers, timeout_s)
         self._trainer_ids = list(range(len(trainers)))  # names stay when a trainer drops out
-        self.plan = Plan(self._trainer_layouts, mapping)
+        self.plan = Plan(self.trainer_layouts, mapping)
         for actor in receivers:
             self.add_receiver(actor)
+        if aside == "none" and not two_sources(self, tuple(self._receivers)):
+            raise ValueError(
+                "aside='none' needs every receiver byte held by two trainers (replicas), so that a trainer "
+                "lost mid-push can be replaced; here some have one: use aside='shadow'"
+            )
 
     # ------------------------------------------------------------------ membership
 
@@ -217,7 +232,7 @@ class WeightSync:
         self._next_id += 1
         self._receivers[receiver] = actor
         self._layouts[receiver] = layout
-        self._descriptions[receiver] = description
+        self.receiver_descriptions[receiver] = description
         if catch_up and self.committed:
             try:
                 self.caught_up[receiver] = join.catch_up(self, receiver, self._push, self._dead)
@@ -233,11 +248,11 @@ class WeightSync:
             raise ValueError(f"receiver {receiver!r} is not in this WeightSync")
         actor = self._receivers.pop(rid)
         self.plan.remove_receiver(rid)
-        for table in (self._layouts, self._descriptions):
+        for table in (self._layouts, self.receiver_descriptions):
             table.pop(rid, None)
         if rid not in self._dead:
             # died or late: nothing left to free there (passed over); the hook itself failing is raised
-            outcome = calls.settle(call_hook(actor, sync_hooks.release, self._id), timeout_s=timeout_s)
+            outcome = calls.settle(call_hook(actor, sync_hooks.release, self.sync_id), timeout_s=timeout_s)
             if outcome.failure is calls.CallFailure.FAILED and outcome.error is not None:
                 raise outcome.error
         self._dead.discard(rid)
@@ -249,67 +264,6 @@ class WeightSync:
         raise ValueError(f"{actor!r} is not a receiver of this WeightSync")
 
     # ------------------------------------------------------------------ pushing
-
-    def _specs(
-        self, live: tuple[int, ...], have: MappingABC[int, Held] | None = None
-    ) -> tuple[dict[int, bytes], dict[int, tuple[Role, ...]], int]:
-        """Each member's part of a push over the ``live`` receivers (``have``: pieces they
-        hold already), serialised once (pushes over the same members only change the version
-        and channel)."""
-        descriptions = (*self._trainer_descriptions, *(self._descriptions[r] for r in live))
-        layouts = [self._layouts[r] for r in live]
-        roles, buckets = assign_roles(
-            self.plan,
-            live,
-            trainer_layouts=self._trainer_layouts,
-            receiver_layouts=layouts,
-            descriptions=descriptions,
-            bucket_bytes=self.bucket_bytes,
-            have=have,
-        )
-        driver = peer_to_bytes(runtime_agent().peer)
-        m = len(self.trainers)
-        blobs = {}
-        for rank in range(len(descriptions)):
-            trainer = rank < m
-            layout = self._trainer_layouts[rank] if trainer else layouts[rank - m]
-            index = {p.name: i for i, p in enumerate(layout)}
-            scales = (
-                ()
-                if trainer
-                else tuple(
-                    (index[n], index[s]) for n, s in self.plan.mapping.scales.items() if n in index and s in index
-                )
-            )
-            spec = PushSpec(
-                sync_id=self._id,
-                name=self.name,
-                version=0,
-                channel="",
-                members=descriptions,
-                rank=rank,
-                where=self.source if trainer else self.target,
-                layout=layout,
-                roles=roles[rank],
-                verify=self.verify,
-                transport=self.transport,
-                timeout_s=self.timeout_s,
-                driver=driver if self.progress or not trainer else b"",
-                atomic=(self.atomic or self.commit == "all") and not trainer,
-                fence=self.fence,
-                scales=scales,
-                transform=self.transform if trainer else None,
-                commit=self.commit,
-                deadline_s=self.timeout_s * (buckets + 2),  # as the driver's wait (push_wait.PushWait)
-                on_commit=None if trainer else self.on_commit,
-                trainers=m,
-                stall_s=self.stall_s,
-            )
-            try:  # the C pickler: tens of times faster than cloudpickle on thousands of small records
-                blobs[rank] = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
-            except (pickle.PicklingError, AttributeError, TypeError):  # a lambda as transform
-                blobs[rank] = cloudpickle.dumps(spec)
-        return blobs, roles, buckets
 
     def push(self) -> SyncReport:
         """Push the trainers' current tensors as the next version; returns the report.
@@ -331,20 +285,30 @@ class WeightSync:
         have: dict[int, Held] | None = None
         lost: dict[tuple[str, str], int] = {}  # (replaced trainer, receiver) -> failovers
         start = time.perf_counter()
-        while True:
-            live = tuple(r for r in self._receivers if r not in self._dead)
-            try:
-                report = self._push(live, self.version, have)
-                break
-            except TensorwireError as e:  # a trainer died or stalled: complete from the others when they hold it all
-                if getattr(e, "trainer", None) is None or not self._fail_over(e, replaced, lost):
+        try:
+            while True:
+                live = tuple(r for r in self._receivers if r not in self._dead)
+                try:
+                    try:
+                        report = self._push(live, self.version, have)
+                        break
+                    except TensorwireError as e:  # a trainer died or stalled: complete from the others if they can
+                        if getattr(e, "trainer", None) is None or not self._fail_over(e, replaced, lost):
+                            raise
+                except BaseException:
+                    self._abandon(live)
                     raise
                 actors = {r: self._receivers[r] for r in live}
-                have = failover.arrived(self._id, self.version, actors, self._layouts, timeout_s=self.timeout_s)
+                have = failover.arrived(self.sync_id, self.version, actors, self._layouts, timeout_s=self.timeout_s)
+            in_place = self._promised == self.version  # receivers that died after voting do not hold the others back
+        finally:
+            self._promised = 0  # (a catch-up pushes this version again: with a vote of its own)
         report.replaced, report.seconds = replaced, time.perf_counter() - start  # every try
         report.pairs.update(failover_pairs(lost))
         record(self.name, failover_pairs(lost))
-        committed_all = not any(not why.startswith("left out") for why in report.failed.values())
+        committed_all = not any(
+            not why.startswith("left out") and not (in_place and r in self._dead) for r, why in report.failed.items()
+        )
         if report.receivers and (self.commit == "each" or committed_all):
             self.committed = self.version
         return report
@@ -354,10 +318,13 @@ class WeightSync:
         pieces they hold already, after a failover: not kept for the next push)."""
         key = (live, self.progress) if have is None else None  # a failover's try is not kept
         if have is not None or self._roles is None or self._roles[0] != key:
-            self._roles = (key, *self._specs(live, have))
-        _key, blobs, roles, buckets = self._roles
+            in_place = self._promised == version or (self.aside == "none" and two_sources(self, live))
+            if self.aside == "none" and not in_place:
+                logger.warning("weight sync %s: some bytes have one trainer left: assembled aside", self.name)
+            self._roles = (key, in_place, *member_specs(self, live, have, in_place=in_place))
+        _key, in_place, blobs, roles, buckets = self._roles
         self._pushes += 1
-        channel = f"tw-sync-{self._id}-{self._pushes}"
+        channel = f"tw-sync-{self.sync_id}-{self._pushes}"
         m = len(self.trainers)
         started, start = time.time(), time.perf_counter()
         trainer_refs = [call_hook(t, sync_hooks.send, blobs[i], version, channel) for i, t in enumerate(self.trainers)]
@@ -366,14 +333,16 @@ class WeightSync:
             for i, r in enumerate(live)
         }
         vote = None
-        if self.commit == "all":
-            ranks = {m + i: self._descriptions[r][0] for i, r in enumerate(live)}
+        if self.commit == "all" and self._promised != version:  # (in place, a failover's next try: voted)
+            ranks = {m + i: self.receiver_descriptions[r][0] for i, r in enumerate(live)}
             vote = Vote(channel, ranks, timeout_s=self.timeout_s)
         members = {ref: self._trainer_name(i) for i, ref in enumerate(trainer_refs)}
         members.update({ref: f"receiver {rid}" for rid, ref in receiver_refs.items()})
         trainer_roles = [role for rank in range(m) for role in roles[rank]]
         waiting = PushWait(version, buckets, self.plan.nbytes, progress=self.progress, timeout_s=self.timeout_s)
         stalls = waiting.wait(members, channel, trainer_roles, vote, trainer_refs)
+        if in_place and vote is not None and vote.committed:
+            self._promised = version  # the receivers write it: from here on, only forward
         seconds = time.perf_counter() - start
         report = SyncReport(version, self.nbytes, buckets, seconds, 0.0, 0.0, 0.0, 0.0)
         for rid in self._dead:
@@ -399,6 +368,7 @@ class WeightSync:
             report.transfer_s = max(report.transfer_s, result.transfer_s)
             report.unpack_s = max(report.unpack_s, result.unpack_s)
             report.verify_s = max(report.verify_s, result.verify_s)
+            report.aside_nbytes = max(report.aside_nbytes, result.aside_nbytes)
         names = {i: self._trainer_name(i) for i in range(m)} | {m + i: f"receiver {r}" for i, r in enumerate(live)}
         failed = [
             f"receiver {r}" for r, why in report.failed.items() if not why.startswith(("left out", "not committed"))
@@ -411,7 +381,10 @@ class WeightSync:
             )
         for i, ref in enumerate(trainer_refs):
             outcome = calls.settle(ref, timeout_s=self.timeout_s)
-            if outcome.failure is calls.CallFailure.ACTOR_DIED and vote is not None and vote.committed:
+            wrote_all = all(r in report.receivers or r in self._dead for r in live)
+            if outcome.failure is calls.CallFailure.ACTOR_DIED and (
+                wrote_all if in_place else vote is not None and vote.committed
+            ):
                 failed.append(self._trainer_name(i))  # died after the receivers committed: the next push replaces it
                 continue
             if not outcome.ok:
@@ -427,6 +400,16 @@ class WeightSync:
         self._telemetry(report, names, started, failed, retry=have is not None)
         return report
 
+    def _abandon(self, live: tuple[int, ...]) -> None:
+        """A push that fails after in-place receivers voted: they let go of their fences (those
+        that wrote part of the version are ``TORN``: the next push mends them)."""
+        if self._promised != self.version:
+            return
+        refs = [call_hook(self._receivers[r], sync_hooks.abandon, self.sync_id) for r in live if r not in self._dead]
+        done, _late = calls.wait_all(refs, timeout_s=self.timeout_s)
+        for ref in done:
+            calls.settle(ref, timeout_s=1.0)  # (one that died or failed let go by itself)
+
     def _trainer_error(self, report: SyncReport, i: int, what: str) -> TensorwireError:
         """The error of a push whose trainer ``i`` died or stalled (failover may replace it)."""
         error = TensorwireError(f"weight sync v{report.version}: {self._trainer_name(i)} ({self.trainers[i]!r}) {what}")
@@ -438,7 +421,7 @@ class WeightSync:
         gets why) when they do not hold every receiver's bytes."""
         dead = error.trainer  # type: ignore[attr-defined]
         receivers = {rid: layout for rid, layout in self._layouts.items() if rid not in self._dead}
-        plan, why = replan_without(dead, self._trainer_layouts, self.plan.mapping, receivers)
+        plan, why = replan_without(dead, self.trainer_layouts, self.plan.mapping, receivers)
         if plan is None:
             error.args = (f"{error.args[0]}; no failover: {why}; the receivers keep the version they had",)
             return False
@@ -447,8 +430,8 @@ class WeightSync:
         failover.count_lost(lost, self.plan, dead, self._trainer_name(dead))
         keep = [i for i in range(len(self.trainers)) if i != dead]
         self.trainers = tuple(self.trainers[i] for i in keep)
-        self._trainer_layouts = [self._trainer_layouts[i] for i in keep]
-        self._trainer_descriptions = [self._trainer_descriptions[i] for i in keep]
+        self.trainer_layouts = [self.trainer_layouts[i] for i in keep]
+        self.trainer_descriptions = [self.trainer_descriptions[i] for i in keep]
         self._trainer_ids = [self._trainer_ids[i] for i in keep]
         self.plan, self._roles = plan, None  # staging and shadows stay: the next try reuses them
         return True
@@ -484,7 +467,7 @@ class WeightSync:
         if self._closed:
             return
         self._closed = True
-        refs = [call_hook(a, sync_hooks.release, self._id) for a in (*self.trainers, *self._receivers.values())]
+        refs = [call_hook(a, sync_hooks.release, self.sync_id) for a in (*self.trainers, *self._receivers.values())]
         # One deadline for all (bounded whatever the number of actors); late ones are named.
         done, late = calls.wait_all(refs, timeout_s=validate_timeout(timeout_s))
         for ref in done:
