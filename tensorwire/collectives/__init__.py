@@ -13,11 +13,13 @@ from tensorwire.collectives.group import BACKENDS, Backend, Group, ReduceOp
 from tensorwire.collectives.groups import get_group, group_names
 from tensorwire.collectives.layout import Box, HeldParam, Replicate, Shard, Sharded
 from tensorwire.collectives.plan import Fuse, Mapping, Plan, plan_sync
+from tensorwire.collectives.receiver_state import TORN
 from tensorwire.collectives.sync_hooks import set_fault_point, weight_fence
 from tensorwire.collectives.weight_sync import SyncReport, WeightSync, weight_version
 
 __all__ = [
     "BACKENDS",
+    "TORN",
     "Backend",
     "Box",
     "Fuse",

@@ -56,7 +56,9 @@ def vote(spec: PushSpec) -> str | None:
         agent.rendezvous_push(
             peer_from_bytes(spec.driver), spec.channel, _ready(spec.rank), b"", timeout_s=spec.timeout_s
         )
-        decision = agent.rendezvous_take(spec.channel, _DECISION, timeout_s=max(spec.deadline_s, spec.timeout_s))
+        # (in place the receiver holds its fence meanwhile, and every receiver votes at once: not the whole push)
+        wait_s = 2 * spec.timeout_s if spec.in_place else max(spec.deadline_s, spec.timeout_s)
+        decision = agent.rendezvous_take(spec.channel, _DECISION, timeout_s=wait_s)
     except TensorwireError as e:
         return f"no decision from the driver: {e}"
     return None if decision == COMMIT else decision.decode(errors="replace")

@@ -69,6 +69,7 @@ class FenceHold:
 
     @property
     def held(self) -> bool:
+        """Whether the fence is held now (entered, not let go, not expired)."""
         return self._entered.is_set() and self._error is None and not self._done.is_set() and not self.expired
 
     def _hold(self) -> None:

@@ -60,11 +60,17 @@ def two_sources(sync: SyncSettings, live: tuple[int, ...]) -> bool:
 
 
 def member_specs(
-    sync: SyncSettings, live: tuple[int, ...], have: MappingABC[int, Held] | None, *, in_place: bool
+    sync: SyncSettings,
+    live: tuple[int, ...],
+    have: MappingABC[int, Held] | None,
+    *,
+    in_place: bool,
+    voted: bool = False,
 ) -> tuple[dict[int, bytes], dict[int, tuple[Role, ...]], int]:
     """Each member's part of a push over the ``live`` receivers (``have``: pieces they hold
-    already; ``in_place``: all-or-none without shadows), serialised once (pushes over the same
-    members only change the version and channel); the roles per channel rank; the buckets."""
+    already; ``in_place``: all-or-none without shadows; ``voted``: in place, the driver said
+    commit in an earlier try), serialised once (pushes over the same members only change the
+    version and channel); the roles per channel rank; the buckets."""
     trainer_layouts, m = sync.trainer_layouts, len(sync.trainers)
     descriptions = (*sync.trainer_descriptions, *(sync.receiver_descriptions[r] for r in live))
     layouts = [sync.receiver_layouts[r] for r in live]  # (a copy each call: once per push setup)
@@ -112,6 +118,7 @@ def member_specs(
             trainers=m,
             stall_s=sync.stall_s,
             in_place=in_place and not trainer,
+            voted=voted and in_place and not trainer,
         )
         try:  # the C pickler: tens of times faster than cloudpickle on thousands of small records
             blobs[rank] = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,7 @@ __all__ = [
     "destinations",
     "hold_fence",
     "let_go",
+    "mark_voted",
     "note_received",
     "pause",
     "promised",
@@ -49,7 +51,7 @@ _lock = threading.Lock()
 _shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> shadow, or (sync id, -1 - param) fp8 staging
 _last_commit: dict[str, tuple[str, int]] = {}  # sync name -> (sync id, version) of its last commit here
 _arrived: dict[str, tuple[int, set[Received]]] = {}  # sync id -> (version, the pieces of it that arrived)
-_holds: dict[str, tuple[int, str, FenceHold]] = {}  # sync id -> (version, sync name, fence held while written in place)
+_holds: dict[str, _Held] = {}  # sync id -> the fence held while a version is written in place
 TORN = -1  # weight_version() of a receiver whose tensors hold no whole version (an in-place push failed)
 
 
@@ -81,52 +83,78 @@ def aside_nbytes(sync_id: str) -> int:
     return sum(t.numel() * t.element_size() for key, t in list(_shadows.items()) if key[0] == sync_id)
 
 
-def hold_fence(actor: object, spec: PushSpec) -> None:
-    """In place: hold the receiver's fence from now (before its vote) until it publishes
-    ``spec.version`` or lets go (at most the push's deadline).
+@dataclass(eq=False)
+class _Held:
+    """The fence held for an in-place version of one sync."""
+
+    version: int
+    name: str
+    hold: FenceHold
+    voted: bool = False  # the driver said commit: from then on the tensors hold part of the version
+
+
+def hold_fence(actor: object, spec: PushSpec, *, voted: bool = False) -> None:
+    """In place: hold the receiver's fence from now (before its vote, or ``voted`` already, in
+    a failover's next try) until it publishes ``spec.version`` or lets go (at most the push's
+    deadline).
 
     Raises:
         TensorwireError: Readers kept the fence for ``timeout_s``, or entering it failed.
     """
-    hold = FenceHold(lambda: _fence(actor, spec), f"weight sync {spec.name} v{spec.version}", lambda: _tear(spec.name))
-    hold.take(timeout_s=spec.timeout_s, limit_s=spec.deadline_s)
+    what = f"weight sync {spec.name} v{spec.version}"
+    held = _Held(spec.version, spec.name, FenceHold(lambda: _fence(actor, spec), what, lambda: _expired(spec)), voted)
+    held.hold.take(timeout_s=spec.timeout_s, limit_s=spec.deadline_s)
     with _lock:
-        _holds[spec.sync_id] = (spec.version, spec.name, hold)
+        _holds[spec.sync_id] = held
+
+
+def mark_voted(spec: PushSpec) -> None:
+    """The driver said commit: a let-go without publishing now leaves the receiver :data:`TORN`."""
+    with _lock:
+        held = _holds.get(spec.sync_id)
+        if held is not None and held.version == spec.version:
+            held.voted = True
 
 
 def promised(spec: PushSpec) -> bool:
     """Whether this receiver voted to write ``spec.version`` in place and still holds its fence
     for it (a failover's next try then goes on writing; the hold's limit is the push's again)."""
     with _lock:
-        kept = _holds.get(spec.sync_id)
-    if kept is None or kept[0] != spec.version or not kept[2].held:
+        held = _holds.get(spec.sync_id)
+    if held is None or held.version != spec.version or not held.voted or not held.hold.held:
         return False
-    kept[2].extend(spec.deadline_s)
+    held.hold.extend(spec.deadline_s)
     return True
 
 
 def pause(spec: PushSpec) -> None:
     """A try ended with a trainer lost: keep the fence for the next try, at most ``timeout_s``."""
     with _lock:
-        kept = _holds.get(spec.sync_id)
-    if kept is not None:
-        kept[2].extend(spec.timeout_s)
+        held = _holds.get(spec.sync_id)
+    if held is not None:
+        held.hold.extend(spec.timeout_s)
 
 
 def let_go(sync_id: str) -> None:
-    """Leave the fence held for sync ``sync_id`` (if any); a version it began to write and did
-    not publish leaves the receiver :data:`TORN`."""
+    """Leave the fence held for sync ``sync_id`` (if any); after a vote to commit, a version not
+    published leaves the receiver :data:`TORN` (some of its bytes may be in the tensors)."""
     with _lock:
-        kept = _holds.pop(sync_id, None)
-        if kept is None:
+        held = _holds.pop(sync_id, None)
+        if held is None:
             return
-        version, name, hold = kept
-        arrived = _arrived.get(sync_id)
-        written = arrived is not None and arrived[0] == version and bool(arrived[1])
-        published = _last_commit.get(name) == (sync_id, version)
-    if written and not published:
-        _tear(name)
-    hold.let_go()
+        torn = held.voted and _last_commit.get(held.name) != (sync_id, held.version)
+    if torn:
+        _tear(held.name)
+    held.hold.let_go()
+
+
+def _expired(spec: PushSpec) -> None:
+    """A hold outlived its limit (inside the fence still): torn, unless the version was published."""
+    with _lock:
+        held = _holds.get(spec.sync_id)
+        if held is None or not held.voted or _last_commit.get(spec.name) == (spec.sync_id, spec.version):
+            return
+    _tear(spec.name)
 
 
 def _tear(name: str) -> None:

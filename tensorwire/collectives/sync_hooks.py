@@ -322,15 +322,15 @@ def receive(
                             message = intake.next_bucket(channel, spec, role.parent, key, aborted)
                             kind, expected, payload = parse_message(message, what)
                             if kind is BucketKind.ABORT:
-                                raise TensorwireError(f"{what} will not come: {payload.decode(errors='replace')}")
+                                _aborted(spec, role.parent, what, payload)
                             began, fetch_start = time.time(), time.perf_counter()
                             transport, slow_s, sent = intake.take_from(
                                 channel, spec, role.parent, (kind, payload), views=views, dtypes=dtypes
                             )
                         except TrainerLost as e:  # what the others send is kept for the failover
                             lost[role.stream] = e
-                            if role.stream in fanouts:
-                                fanouts[role.stream].abort(str(e))
+                            if role.stream in fanouts:  # node-mates go on with their other streams too
+                                fanouts[role.stream].abort(_LOST + str(e))
                             continue
                         took = time.perf_counter() - fetch_start
                         transports[transport] = transports.get(transport, 0) + 1
@@ -408,14 +408,29 @@ def _vote_first(actor: object, spec: PushSpec) -> None:
     Raises:
         _NotWriting: The driver aborted the push (the fence is let go; nothing was written).
     """
-    if receiver_state.promised(spec):
+    if receiver_state.promised(spec) or receiver_state.committed_already(spec):
         return
     receiver_state.check_commit(actor, spec)  # a missing fence or hook fails before the vote
-    receiver_state.hold_fence(actor, spec)
+    receiver_state.hold_fence(actor, spec, voted=spec.voted)
+    if spec.voted:  # a failover's next try, for a receiver that let go (its hold ran out, say): write
+        return
     refused = commit_vote(spec)
     if refused is not None:
         receiver_state.let_go(spec.sync_id)
         raise _NotWriting(refused)
+    receiver_state.mark_voted(spec)
+
+
+_LOST = "trainer lost: "  # a relay's abort when its trainer was lost (its node-mates read the others on)
+
+
+def _aborted(spec: PushSpec, parent: int, what: str, payload: bytes) -> None:
+    """Raise for an ``ABORT`` from channel rank ``parent``: ``TrainerLost`` when a relay lost its
+    trainer, or (in place, where a failover replaces a trainer that failed too) a trainer failed."""
+    why = payload.decode(errors="replace")
+    if why.startswith(_LOST) or (spec.in_place and parent < spec.trainers):
+        raise TrainerLost(f"{what} will not come: {why}")
+    raise TensorwireError(f"{what} will not come: {why}")
 
 
 def _tell_parents(channel: Channel, spec: PushSpec, acked: dict[int, int], reason: str) -> None:

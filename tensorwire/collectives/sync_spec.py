@@ -73,6 +73,7 @@ class PushSpec:
     trainers: int = 0  # ranks below this are trainers
     stall_s: float = 0.0  # receiver: a trainer that sends no next bucket for this long stalled (0: timeout_s)
     in_place: bool = False  # receiver, all-or-none without shadows: vote first, write inside the fence held till then
+    voted: bool = False  # in place, a failover's next try: the driver said commit already (no second vote)
 
 
 @dataclass(frozen=True)

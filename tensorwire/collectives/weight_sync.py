@@ -285,30 +285,26 @@ class WeightSync:
         have: dict[int, Held] | None = None
         lost: dict[tuple[str, str], int] = {}  # (replaced trainer, receiver) -> failovers
         start = time.perf_counter()
-        try:
-            while True:
-                live = tuple(r for r in self._receivers if r not in self._dead)
+        while True:
+            live = tuple(r for r in self._receivers if r not in self._dead)
+            try:
                 try:
-                    try:
-                        report = self._push(live, self.version, have)
-                        break
-                    except TensorwireError as e:  # a trainer died or stalled: complete from the others if they can
-                        if getattr(e, "trainer", None) is None or not self._fail_over(e, replaced, lost):
-                            raise
-                except BaseException:
-                    self._abandon(live)
-                    raise
-                actors = {r: self._receivers[r] for r in live}
-                have = failover.arrived(self.sync_id, self.version, actors, self._layouts, timeout_s=self.timeout_s)
-            in_place = self._promised == self.version  # receivers that died after voting do not hold the others back
-        finally:
-            self._promised = 0  # (a catch-up pushes this version again: with a vote of its own)
+                    report = self._push(live, self.version, have)
+                    break
+                except TensorwireError as e:  # a trainer died or stalled: complete from the others if they can
+                    if getattr(e, "trainer", None) is None or not self._fail_over(e, replaced, lost):
+                        raise
+            except BaseException:
+                self._abandon(live)
+                raise
+            actors = {r: self._receivers[r] for r in live}
+            have = failover.arrived(self.sync_id, self.version, actors, self._layouts, timeout_s=self.timeout_s)
+        in_place = self._promised == self.version
         report.replaced, report.seconds = replaced, time.perf_counter() - start  # every try
         report.pairs.update(failover_pairs(lost))
         record(self.name, failover_pairs(lost))
-        committed_all = not any(
-            not why.startswith("left out") and not (in_place and r in self._dead) for r, why in report.failed.items()
-        )
+        # (in place, once voted, a receiver that failed or died after is torn or gone: the others hold it)
+        committed_all = in_place or not any(not why.startswith("left out") for why in report.failed.values())
         if report.receivers and (self.commit == "each" or committed_all):
             self.committed = self.version
         return report
@@ -317,11 +313,14 @@ class WeightSync:
         """Push the trainers' tensors into the ``live`` receivers as ``version`` (``have``:
         pieces they hold already, after a failover: not kept for the next push)."""
         key = (live, self.progress) if have is None else None  # a failover's try is not kept
+        if have is None:
+            self._promised = 0  # a first try (a push, a catch-up): in place, it votes
+        voted = self._promised == version
         if have is not None or self._roles is None or self._roles[0] != key:
-            in_place = self._promised == version or (self.aside == "none" and two_sources(self, live))
+            in_place = voted or (self.aside == "none" and two_sources(self, live))
             if self.aside == "none" and not in_place:
                 logger.warning("weight sync %s: some bytes have one trainer left: assembled aside", self.name)
-            self._roles = (key, in_place, *member_specs(self, live, have, in_place=in_place))
+            self._roles = (key, in_place, *member_specs(self, live, have, in_place=in_place, voted=voted))
         _key, in_place, blobs, roles, buckets = self._roles
         self._pushes += 1
         channel = f"tw-sync-{self.sync_id}-{self._pushes}"
@@ -333,16 +332,18 @@ class WeightSync:
             for i, r in enumerate(live)
         }
         vote = None
-        if self.commit == "all" and self._promised != version:  # (in place, a failover's next try: voted)
+        if self.commit == "all" and not voted:  # (in place, a failover's next try: voted already)
             ranks = {m + i: self.receiver_descriptions[r][0] for i, r in enumerate(live)}
             vote = Vote(channel, ranks, timeout_s=self.timeout_s)
         members = {ref: self._trainer_name(i) for i, ref in enumerate(trainer_refs)}
         members.update({ref: f"receiver {rid}" for rid, ref in receiver_refs.items()})
         trainer_roles = [role for rank in range(m) for role in roles[rank]]
         waiting = PushWait(version, buckets, self.plan.nbytes, progress=self.progress, timeout_s=self.timeout_s)
-        stalls = waiting.wait(members, channel, trainer_roles, vote, trainer_refs)
-        if in_place and vote is not None and vote.committed:
-            self._promised = version  # the receivers write it: from here on, only forward
+        try:
+            stalls = waiting.wait(members, channel, trainer_roles, vote, trainer_refs)
+        finally:
+            if in_place and vote is not None and vote.committed:
+                self._promised = version  # the receivers write it: from here on, only forward
         seconds = time.perf_counter() - start
         report = SyncReport(version, self.nbytes, buckets, seconds, 0.0, 0.0, 0.0, 0.0)
         for rid in self._dead:
@@ -391,6 +392,8 @@ class WeightSync:
                 self._telemetry(report, names, started, [*failed, self._trainer_name(i)])
             if outcome.failure is calls.CallFailure.ACTOR_DIED:
                 raise self._trainer_error(report, i, f"died during the push: {outcome.reason}") from None
+            if outcome.failure is calls.CallFailure.FAILED and self._promised == version:  # in place: only forward
+                raise self._trainer_error(report, i, f"failed during the push: {outcome.reason}") from None
             if outcome.error is not None:  # the trainer failed (Ray's error carrying it), or timed out
                 outcome.error.report = report  # type: ignore[attr-defined]
                 raise outcome.error
@@ -423,7 +426,10 @@ class WeightSync:
         receivers = {rid: layout for rid, layout in self._layouts.items() if rid not in self._dead}
         plan, why = replan_without(dead, self.trainer_layouts, self.plan.mapping, receivers)
         if plan is None:
-            error.args = (f"{error.args[0]}; no failover: {why}; the receivers keep the version they had",)
+            kept = "the receivers keep the version they had"
+            if self._promised == self.version:
+                kept = "receivers that wrote part of it are torn (-1) till the next push"
+            error.args = (f"{error.args[0]}; no failover: {why}; {kept}",)
             return False
         logger.warning("weight sync %s: %s; pushing the rest from the others", self.name, error.args[0])
         replaced[self._trainer_name(dead)] = error.args[0]

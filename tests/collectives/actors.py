@@ -99,6 +99,16 @@ def stall_at(role: str, k: int) -> None:
     tw.collective.set_fault_point(hook)
 
 
+def fail_at(role: str, k: int) -> None:
+    """In a weight-sync member: raise once it has handled bucket level ``k`` of a push as ``role``."""
+
+    def hook(at_role: str, at_k: int) -> None:
+        if (at_role, at_k) == (role, k):
+            raise RuntimeError(f"injected failure at {role} bucket {k}")
+
+    tw.collective.set_fault_point(hook)
+
+
 def note_commit(actor: Holder, version: int) -> None:
     """An ``on_commit`` function: ``f(actor, version)``."""
     actor.commits.append(("function", version))
@@ -126,6 +136,9 @@ class Holder:
 
     def stall_at(self, role: str, k: int) -> None:
         stall_at(role, k)
+
+    def fail_at(self, role: str, k: int) -> None:
+        fail_at(role, k)
 
     def note_commit(self, version: int) -> None:
         """An ``on_commit`` method."""
@@ -168,6 +181,9 @@ class Holder:
     def fence_held(self, name: str = "weights") -> list[bool]:
         """What ``watch_fence_at`` saw, then whether the fence is held now."""
         return [*getattr(self, "fence_seen", []), tw.collective.weight_fence(name).locked()]
+
+    def own_fence_free(self) -> bool:
+        return not self.own.locked()
 
     def own_fence(self, have: bool) -> None:
         """Give this receiver a fence attribute (``own``), or take it away."""
@@ -313,6 +329,9 @@ class Pieces:
     def fence_held(self, name: str = "weights") -> list[bool]:
         """What ``watch_fence_at`` saw, then whether the fence is held now."""
         return [*getattr(self, "fence_seen", []), tw.collective.weight_fence(name).locked()]
+
+    def own_fence_free(self) -> bool:
+        return not self.own.locked()
 
     def own_fence(self, have: bool) -> None:
         """Give this receiver a fence attribute (``own``), or take it away."""

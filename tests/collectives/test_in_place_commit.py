@@ -11,7 +11,6 @@ import pytest
 import ray
 
 import tensorwire as tw
-from tensorwire.collectives import receiver_state
 from tensorwire.collectives.fence_hold import FenceHold
 from tests.collectives.actors import Holder
 
@@ -84,6 +83,39 @@ def test_in_place_a_receiver_failing_before_its_vote_leaves_all_at_the_version_t
         assert all("not committed" in report.failed[r] for r in (0, 2))
         assert digests(receivers) == before and sync.versions() == [1, 1, 1]  # nobody wrote
         assert sync.committed == 1
+        assert ray.get([receivers[r].own_fence_free.remote() for r in (0, 2)]) == [True, True]  # let go
+    finally:
+        sync.close()
+
+
+def test_in_place_a_trainer_failing_after_the_vote_is_replaced_too(ray_local):
+    trainers = [Holder.remote(16, NBYTES, seed=1) for _ in range(2)]
+    receivers = [Holder.remote(16, NBYTES, seed=None) for _ in range(2)]
+    sync = tw.WeightSync(trainers, receivers, source="weights", bucket_bytes=1 << 20, aside="none")
+    try:
+        assert sync.push().ok
+        ray.get([t.step.remote(6) for t in trainers])
+        ray.get(trainers[0].fail_at.remote("trainer", 1))  # raises after the receivers began to write
+        report = sync.push()
+        assert report.ok and "injected failure" in report.replaced["trainer 0"]
+        assert digests(receivers) == [ray.get(trainers[1].digest.remote())] * 2 and sync.versions() == [2, 2]
+    finally:
+        sync.close()
+
+
+def test_in_place_newcomers_catch_up_one_after_another(ray_local):
+    trainers = [Holder.remote(8, NBYTES, seed=1) for _ in range(2)]
+    first = Holder.remote(8, NBYTES, seed=None)
+    sync = tw.WeightSync(trainers, [first], source="weights", bucket_bytes=1 << 20, aside="none", timeout_s=10)
+    try:
+        assert sync.push().ok
+        expected = ray.get(trainers[0].digest.remote())
+        for _ in range(2):  # each from the trainers (nobody else holds the version), each voting on its own
+            sync.remove_receiver(sync.receiver_ids[0])
+            late = Holder.remote(8, NBYTES, seed=None)
+            rid = sync.add_receiver(late)
+            assert sync.caught_up[rid] == "trainers" and digests([late]) == [expected]
+            assert ray.get(late.version.remote()) == 1 and ray.get(late.fence_held.remote()) == [False]
     finally:
         sync.close()
 
@@ -115,7 +147,7 @@ def test_in_place_with_no_source_left_the_receivers_say_they_are_torn_and_let_go
         ray.get([t.die_at.remote("trainer", 1) for t in trainers])  # both copies of every byte
         with pytest.raises(tw.TensorwireError, match="no failover"):
             sync.push()
-        assert ray.get([r.version.remote() for r in receivers]) == [receiver_state.TORN] * 2
+        assert ray.get([r.version.remote() for r in receivers]) == [tw.collective.TORN] * 2
         assert ray.get([r.fence_held.remote() for r in receivers]) == [[False]] * 2  # readers are not stuck
     finally:
         sync.close()
