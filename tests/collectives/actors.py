@@ -316,30 +316,6 @@ class Pieces:
     def version(self, name: str = "weights") -> int:
         return tw.collective.weight_version(name)
 
-    def watch_fence_at(self, k: int, name: str = "weights") -> None:
-        """Note, at bucket level ``k`` of each push it receives, whether the fence is held."""
-
-        def hook(role: str, at: int) -> None:
-            if (role, at) == ("receiver", k):
-                self.fence_seen.append(tw.collective.weight_fence(name).locked())
-
-        self.fence_seen: list[bool] = []
-        tw.collective.set_fault_point(hook)
-
-    def fence_held(self, name: str = "weights") -> list[bool]:
-        """What ``watch_fence_at`` saw, then whether the fence is held now."""
-        return [*getattr(self, "fence_seen", []), tw.collective.weight_fence(name).locked()]
-
-    def own_fence_free(self) -> bool:
-        return not self.own.locked()
-
-    def own_fence(self, have: bool) -> None:
-        """Give this receiver a fence attribute (``own``), or take it away."""
-        if have:
-            self.own = threading.Lock()
-        elif hasattr(self, "own"):
-            del self.own
-
 
 @tw.remote(num_cpus=0)
 class DTensorTrainer:
