@@ -33,6 +33,7 @@ replaced when the others hold its bytes: the push reads what is missing from the
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -235,7 +236,8 @@ class WeightSync:
         self.receiver_descriptions[receiver] = description
         if catch_up and self.committed:
             try:
-                self.caught_up[receiver] = join.catch_up(self, receiver, self._push, self._dead)
+                push_to = functools.partial(self._push, catch_up=True)
+                self.caught_up[receiver] = join.catch_up(self, receiver, push_to, self._dead)
             except BaseException:
                 self.remove_receiver(receiver)
                 raise
@@ -309,15 +311,18 @@ class WeightSync:
             self.committed = self.version
         return report
 
-    def _push(self, live: tuple[int, ...], version: int, have: MappingABC[int, Held] | None = None) -> SyncReport:
+    def _push(
+        self, live: tuple[int, ...], version: int, have: MappingABC[int, Held] | None = None, *, catch_up: bool = False
+    ) -> SyncReport:
         """Push the trainers' tensors into the ``live`` receivers as ``version`` (``have``:
-        pieces they hold already, after a failover: not kept for the next push)."""
-        key = (live, self.progress) if have is None else None  # a failover's try is not kept
+        pieces they hold already, after a failover: not kept for the next push; ``catch_up``:
+        to a newcomer alone, which serves nothing yet: in place even from a single source)."""
+        key = (live, self.progress, catch_up) if have is None else None  # a failover's try is not kept
         if have is None:
             self._promised = 0  # a first try (a push, a catch-up): in place, it votes
         voted = self._promised == version
         if have is not None or self._roles is None or self._roles[0] != key:
-            in_place = voted or (self.aside == "none" and two_sources(self, live))
+            in_place = voted or (self.aside == "none" and (catch_up or two_sources(self, live)))
             if self.aside == "none" and not in_place:
                 logger.warning("weight sync %s: some bytes have one trainer left: assembled aside", self.name)
             self._roles = (key, in_place, *member_specs(self, live, have, in_place=in_place, voted=voted))

@@ -182,6 +182,12 @@ class Holder:
         """What ``watch_fence_at`` saw, then whether the fence is held now."""
         return [*getattr(self, "fence_seen", []), tw.collective.weight_fence(name).locked()]
 
+    def aside_nbytes(self, sync_id: str) -> int:
+        """Bytes this receiver keeps aside for sync ``sync_id`` (shadows, float8 staging)."""
+        from tensorwire.collectives import receiver_state
+
+        return receiver_state.aside_nbytes(sync_id)
+
     def own_fence_free(self) -> bool:
         return not self.own.locked()
 

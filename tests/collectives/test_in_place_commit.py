@@ -64,6 +64,7 @@ def test_in_place_a_trainer_killed_mid_push_is_replaced_and_every_receiver_commi
         late = Holder.remote(32, NBYTES, seed=None)
         sync.add_receiver(late)
         assert sync.caught_up[3] == "trainers" and digests([late]) == [ray.get(trainers[0].digest.remote())]
+        assert ray.get(late.aside_nbytes.remote(sync.sync_id)) == 0  # in place (it served nothing yet): no shadow
     finally:
         sync.close()
 
