@@ -77,6 +77,13 @@ class Member:
         return None, "", time.monotonic() - start
 
 
+def digests(actors) -> list[str]:
+    """Each actor's ``digest()`` (its tensors' checksum), in order."""
+    import ray
+
+    return ray.get([a.digest.remote() for a in actors])
+
+
 def die_at(role: str, k: int) -> None:
     """In a weight-sync member: SIGKILL this process once it has handled bucket level ``k``
     of a push as ``role`` ("trainer" or "receiver")."""

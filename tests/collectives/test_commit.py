@@ -7,7 +7,7 @@ import pytest
 import ray
 
 import tensorwire as tw
-from tests.collectives.actors import Holder, note_commit
+from tests.collectives.actors import Holder, digests, note_commit
 
 NBYTES = 8 << 20
 
@@ -17,10 +17,6 @@ def make(receivers: int = 3, **options):
     others = [Holder.remote(32, NBYTES, seed=None) for _ in range(receivers)]
     sync = tw.WeightSync(trainer, others, source="weights", bucket_bytes=1 << 20, **options)
     return trainer, others, sync
-
-
-def digests(actors) -> list[str]:
-    return ray.get([a.digest.remote() for a in actors])
 
 
 def test_a_receiver_killed_mid_push_commits_nobody_and_the_next_push_commits_the_rest(ray_local):

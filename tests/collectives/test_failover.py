@@ -12,13 +12,9 @@ from tensorwire.collectives import receiver_state
 from tensorwire.collectives.layout import Box, HeldParam
 from tensorwire.collectives.plan import Plan
 from tensorwire.collectives.sync_spec import PushSpec
-from tests.collectives.actors import Holder
+from tests.collectives.actors import Holder, digests
 
 NBYTES = 8 << 20
-
-
-def digests(actors) -> list[str]:
-    return ray.get([a.digest.remote() for a in actors])
 
 
 @pytest.mark.parametrize("commit", ["all", "each"])

@@ -12,13 +12,9 @@ import ray
 
 import tensorwire as tw
 from tensorwire.collectives.fence_hold import FenceHold
-from tests.collectives.actors import Holder
+from tests.collectives.actors import Holder, digests
 
 NBYTES = 8 << 20
-
-
-def digests(actors) -> list[str]:
-    return ray.get([a.digest.remote() for a in actors])
 
 
 @pytest.mark.parametrize("aside", ["none", "shadow"])
