@@ -142,7 +142,7 @@ def let_go(sync_id: str) -> None:
         held = _holds.pop(sync_id, None)
         if held is None:
             return
-        torn = held.voted and _last_commit.get(held.name) != (sync_id, held.version)
+        torn = _voted_unpublished(sync_id, held)
     if torn:
         _tear(held.name)
     held.hold.let_go()
@@ -151,10 +151,15 @@ def let_go(sync_id: str) -> None:
 def _expired(spec: PushSpec) -> None:
     """A hold outlived its limit (inside the fence still): torn, unless the version was published."""
     with _lock:
-        held = _holds.get(spec.sync_id)
-        if held is None or not held.voted or _last_commit.get(spec.name) == (spec.sync_id, spec.version):
-            return
-    _tear(spec.name)
+        torn = _voted_unpublished(spec.sync_id, _holds.get(spec.sync_id))
+    if torn:
+        _tear(spec.name)
+
+
+def _voted_unpublished(sync_id: str, held: _Held | None) -> bool:
+    """Whether ``held``'s version was voted (so part of it may be in the tensors) and not
+    published (under ``_lock``)."""
+    return held is not None and held.voted and _last_commit.get(held.name) != (sync_id, held.version)
 
 
 def _tear(name: str) -> None:

@@ -385,9 +385,9 @@ class WeightSync:
             raise self._trainer_error(
                 report, i, f"stalled: {names.get(int(reporter), reporter)} got no bucket from it in {self.stall_s:g} s"
             )
+        wrote_all = all(r in report.receivers or r in self._dead for r in live)
         for i, ref in enumerate(trainer_refs):
             outcome = calls.settle(ref, timeout_s=self.timeout_s)
-            wrote_all = all(r in report.receivers or r in self._dead for r in live)
             if outcome.failure is calls.CallFailure.ACTOR_DIED and (
                 wrote_all if in_place else vote is not None and vote.committed
             ):
