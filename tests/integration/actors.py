@@ -6,6 +6,7 @@ import asyncio
 import gc
 import os
 import time
+import weakref
 
 import torch
 
@@ -184,3 +185,35 @@ class Restartable:
 
     def identity(self) -> tuple[int, str]:
         return os.getpid(), tw.stats()["agent_id"]
+
+
+class _Node:
+    """A reference cycle when it points at itself."""
+
+    me: _Node | None = None
+
+
+@tw.remote(num_cpus=0)
+class HeapProbe:
+    """What the garbage collector of a tensorwire actor walks (:mod:`tensorwire.runtime.heap`)."""
+
+    def __init__(self) -> None:
+        self.made_in_init = [object()]  # tracked by the collector until frozen
+        self.held: _Node | None = None
+        self.kept: weakref.ref | None = None
+
+    def collector_view(self) -> tuple[int, bool]:
+        """(objects frozen, whether the collector still walks the list made in ``__init__``)."""
+        return gc.get_freeze_count(), any(o is self.made_in_init for o in gc.get_objects())
+
+    def make_a_cycle(self) -> None:
+        """A reference cycle this actor holds until the next call drops it."""
+        self.held = _Node()
+        self.held.me = self.held
+        self.kept = weakref.ref(self.held)
+
+    def drop_the_cycle(self) -> bool:
+        """Drop it; whether the collector freed it (not if it was frozen meanwhile)."""
+        self.held = None
+        gc.collect()
+        return self.kept is not None and self.kept() is None

@@ -17,6 +17,7 @@ from tests.helpers.tasks import digest
 from tests.integration.actors import (
     AsyncConsumer,
     Consumer,
+    HeapProbe,
     Producer,
     make_state,
     task_digest,
@@ -297,3 +298,17 @@ def test_result_dropped_unused_is_released(producer):
     while ray.get(producer.owned.remote()) != before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.get(producer.owned.remote()) == before
+
+
+def test_an_actor_freezes_what_it_has_at_its_first_call_only(ray_local):
+    probe = HeapProbe.remote()
+    frozen, walked = ray.get(probe.collector_view.remote())
+    assert frozen > 10_000 and not walked  # imports and __init__'s state: no longer walked by full collections
+    ray.get(probe.make_a_cycle.remote())
+    assert ray.get(probe.drop_the_cycle.remote())  # made after the first call: still collected
+    assert ray.get(probe.collector_view.remote())[0] <= frozen  # not frozen again (frozen ones may be freed)
+
+
+def test_gc_freeze_off_leaves_the_collector_alone(ray_local):
+    probe = HeapProbe.options(runtime_env={"env_vars": {"TENSORWIRE_GC_FREEZE": "0"}}).remote()
+    assert ray.get(probe.collector_view.remote()) == (0, True)
