@@ -46,7 +46,7 @@ from tensorwire.runtime.handles import (
     get_actor,
     make_handle,
 )
-from tensorwire.runtime.heap import freeze_startup_objects
+from tensorwire.runtime.heap import freeze_at_first_call
 from tensorwire.runtime.hooks import HOOK_METHOD, run_hook
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.runtime.ray_env import configure_process, configured, mark_async_actor
@@ -173,7 +173,7 @@ def _wrap_method(fn: Callable[..., Any], options: MethodOptions, async_actor: bo
             call = __tw_call__ or {}
             if not configured():
                 await loop.run_in_executor(None, configure_process)
-            freeze_startup_objects()
+            freeze_at_first_call()
             args, kwargs = await loop.run_in_executor(None, resolve_arguments, args, kwargs, call, options.resolve)
             result = await fn(self, *args, **kwargs)
             return _returned(result, options, call) if _by_ref(options, call) else result
@@ -186,7 +186,7 @@ def _wrap_method(fn: Callable[..., Any], options: MethodOptions, async_actor: bo
                 mark_async_actor()
             call = __tw_call__ or {}
             configure_process()  # before user code: its ray.get of a reference fetches, and the agent needs these
-            freeze_startup_objects()
+            freeze_at_first_call()
             args, kwargs = resolve_arguments(args, kwargs, call, options.resolve)
             result = fn(self, *args, **kwargs)
             return _returned(result, options, call) if _by_ref(options, call) else result
@@ -209,7 +209,7 @@ def _wrap_method(fn: Callable[..., Any], options: MethodOptions, async_actor: bo
 def _tw_hook(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
     """Hidden method of every tensorwire actor: run registered hook ``key`` on this actor
     (:mod:`tensorwire.runtime.hooks`; collectives join groups and sync weights through it)."""
-    freeze_startup_objects()
+    freeze_at_first_call()
     return run_hook(self, key, *args, **kwargs)
 
 

