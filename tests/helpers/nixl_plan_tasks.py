@@ -134,7 +134,7 @@ def set_grace(grace_s: float) -> None:
 
 
 def set_prepared(on: bool) -> None:
-    """Consumer: keep prepared READs per (object, destination) (off by default: plans.PREPARED)."""
+    """Consumer: keep prepared READs per (object, destination) (on by default: plans.PREPARED)."""
     from tensorwire.transport.backends.nixl import plans
 
     plans.PREPARED = on
@@ -184,3 +184,30 @@ def stale_registration_in_use() -> dict:
         "old_stale": old.stale,
         "deregistered": after["deregistered"] - before["deregistered"],
     }
+
+
+def overlapping_registration_held(ref: tw.Ref) -> dict:
+    """Consumer: a registration of a wider view of the memory fetched into (another registration
+    overlapping the destination, which NIXL may resolve the READs to) is held by the kept plan,
+    and goes with that plan once its own memory is freed; the value stays exact throughout."""
+    import numpy as np
+
+    agent = nixl_agent.process_agent()
+    base = np.zeros(ref.nbytes + 8192, dtype=np.uint8)
+    wide = torch.from_numpy(base)
+    (wide_reg,) = agent.acquire([wide])
+    agent.unuse([wide_reg])  # registered, unused: what a freed value's destination leaves behind
+    out = torch.from_numpy(base[4096 : 4096 + ref.nbytes])  # a storage of its own over the same memory
+    digests = []
+    for _ in range(2):  # the second fetch keeps its READs
+        out.zero_()
+        tw.get(ref, out=out, transport="nixl")
+        digests.append(digest(out))
+    held, plans_before = wide_reg.users, nixl_agent.stats()["plans"]
+    del wide  # its storage goes (the memory stays: ``out`` views it)
+    agent._sweep_once()  # what the sweep thread does within 0.2 s, now
+    gone, plans_after = wide_reg.rid not in agent.registered, nixl_agent.stats()["plans"]
+    out.zero_()
+    tw.get(ref, out=out, transport="nixl")
+    digests.append(digest(out))
+    return {"held": held, "dropped_plans": plans_before - plans_after, "gone": gone, "digests": digests}

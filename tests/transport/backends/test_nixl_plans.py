@@ -34,11 +34,11 @@ def pair():
 
 @pytest.fixture(autouse=True)
 def defaults(pair):
-    """Each test leaves the producer's grace and the consumer's prepared READs (off) as it found
+    """Each test leaves the producer's grace and the consumer's prepared READs (on) as it found
     them, passed or failed."""
     yield
     pair[0].call(f"{P}:set_grace", 0.02)
-    pair[1].call(f"{P}:set_prepared", False)
+    pair[1].call(f"{P}:set_prepared", True)
 
 
 def test_repeated_fetches_post_prepared_reads_one_plan_per_destination(pair):
@@ -68,7 +68,7 @@ def test_tag_is_read_with_the_data_within_the_grace_and_after_it_otherwise(pair)
     got = consumer.call(f"{P}:fetch_into", small, ["s"] * 4)
     assert got["digests"] == [producer.call(f"{P}:digest_of", "small")] * 4
     assert got["stats"]["tags_after"] == start.get("tags_after", 0), got["stats"]  # one trip each
-    assert got["stats"]["plans_made"] == start.get("plans_made", 0), got["stats"]  # prepared READs: off by default
+    assert got["stats"]["plans_made"] - start.get("plans_made", 0) == 1, got["stats"]  # on by default: kept at the 2nd
     tiny = producer.call(f"{P}:put", "tiny", 4096, 3, 1e-6)  # every trip outlasts half of 1 us
     got = consumer.call(f"{P}:fetch_into", tiny, ["t"] * 4)
     assert got["digests"] == [producer.call(f"{P}:digest_of", "tiny")] * 4
@@ -147,14 +147,27 @@ def test_a_registration_whose_memory_went_while_in_use_is_never_handed_out_again
     assert got == {"same": False, "listed": True, "old_stale": True, "deregistered": 1}, got
 
 
-def test_the_environment_turns_prepared_reads_on_in_a_new_process(pair):
+def test_a_kept_plan_holds_every_registration_its_reads_may_resolve_to(pair):
+    """NIXL resolves a READ's local descriptor to any registration covering it; one overlapping
+    the destination (a wider view of the same memory, or freed memory's registration not yet
+    gone) must not be deregistered while a kept READ may point at it (it was: SIGSEGV)."""
+    producer, consumer = pair
+    consumer.call(f"{P}:set_prepared", True)
+    ref = producer.call(f"{P}:put", "overlap", 64 << 10, 11, 600.0)
+    got = consumer.call(f"{P}:overlapping_registration_held", ref)
+    assert got["digests"] == [producer.call(f"{P}:digest_of", "overlap")] * 3, got
+    assert got["held"] == 1, got  # the kept plan holds the wider view's registration
+    assert got["dropped_plans"] == 1 and got["gone"], got  # its storage went: the plan, then it, go
+
+
+def test_prepared_reads_are_on_unless_the_environment_turns_them_off(pair):
     producer = pair[0]
     ref = producer.call(f"{P}:put", "by-env", 64 << 10, 1, 600.0)
     expected = producer.call(f"{P}:digest_of", "by-env")
     made = {}
-    for setting in ("1", "0"):
-        consumer = Worker(
-            env={**TCP, "TENSORWIRE_NODE_ID": f"plans-env-{setting}", "TENSORWIRE_NIXL_PREPARED": setting}
+    for setting in ("1", "0", ""):
+        consumer = Worker(  # "": empty, as if unset (the default)
+            env={**TCP, "TENSORWIRE_NODE_ID": f"plans-env-{setting or 'default'}", "TENSORWIRE_NIXL_PREPARED": setting}
         )
         try:
             got = consumer.call(f"{P}:fetch_into", ref, ["a"] * 3)
@@ -162,4 +175,4 @@ def test_the_environment_turns_prepared_reads_on_in_a_new_process(pair):
             consumer.close()
         assert got["digests"] == [expected] * 3
         made[setting] = got["stats"]["plans_made"]
-    assert made == {"1": 1, "0": 0}  # the second fetch into "a" keeps its READs only when turned on
+    assert made == {"1": 1, "0": 0, "": 1}  # the second fetch into "a" keeps its READs unless turned off

@@ -6,6 +6,7 @@ loaded; READs kept until NIXL says they ended."""
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import itertools
 import logging
@@ -115,6 +116,7 @@ class NixlAgent:
         self.wake = threading.Event()  # the sweep's: something lingers
         self.capacity = max(16, int(os.environ.get(CACHE_ENV, "512")))
         self.regs: OrderedDict[tuple[int, int, bool, int], Registration] = OrderedDict()
+        self.registered: dict[int, Registration] = {}  # every registration NIXL holds, stale ones too (by rid)
         self.idle: dict[tuple, Registration] = {}  # users dropped to 0: checked for freed memory by _sweep
         self.partials: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
         self.remote: dict[str, set[int]] = {}  # remote agent name -> registration ids loaded
@@ -177,6 +179,7 @@ class NixlAgent:
                     descs = self.nixl.get_reg_descs([(key[0], key[1], key[3], "")], mem)
                     weak = liveness(missing[key])
                     found[key] = self.regs[key] = Registration(next(self.ids), key, weak, descs)
+                    self.registered[found[key].rid] = found[key]
                     self.stats["registered"] += 1
             regs = [r for r in found.values() if r is not None]
             for reg in regs:
@@ -201,6 +204,47 @@ class NixlAgent:
         self.regs.pop(reg.key, None)
         self.idle.pop(reg.key, None)
         reg.stale = True
+
+    def hold_overlapping(
+        self, rows: Sequence[tuple[int, int, int]], vram: bool, held: Sequence[Registration]
+    ) -> list[Registration]:
+        """Use once more every registration of ``vram`` memory that overlaps one of ``rows``
+        ((address, bytes, device)) and is not in ``held``; those registrations (a plan's, given
+        back with its own).
+
+        NIXL resolves a READ's descriptor to a registration that covers it, by address, when the
+        READ is made, and registrations can overlap (memory freed and allocated anew before the
+        old registration went, views of one mapping): a READ may point at any of them, so none
+        may be deregistered before the READ is released (seen otherwise: SIGSEGV in
+        ``ucp_get_nbx``, a freed registration's memory handle). One whose memory was freed and
+        that nothing uses goes now instead of being held.
+        """
+        if not rows:
+            return []
+        with self.lock:
+            low, high = min(r[0] for r in rows), max(r[0] + r[1] for r in rows)
+            mine = {r.rid for r in held}
+            candidates = [
+                r
+                for r in self.registered.values()
+                if r.key[2] is vram and r.rid not in mine and r.key[0] < high and low < r.key[0] + r.key[1]
+            ]
+            if not candidates:
+                return []
+            spans = sorted((r[0], r[0] + r[1]) for r in rows)
+            starts, reach = [s for s, _ in spans], list(itertools.accumulate((e for _, e in spans), max))
+            found = []
+            for reg in candidates:
+                start, end = reg.key[0], reg.key[0] + reg.key[1]
+                before = bisect.bisect_left(starts, end)  # rows starting before its end: does one reach into it?
+                if not before or reach[before - 1] <= start:
+                    continue
+                if not reg.users and not reg.stale and reg.weak.expired():
+                    self._drop(reg)
+                    continue
+                reg.users += 1
+                found.append(reg)
+            return found
 
     def _registered(self, buffer: Any) -> Registration:
         """``buffer`` registered for the process's life (a slab's block)."""
@@ -251,6 +295,7 @@ class NixlAgent:
         self._deregister(reg)
 
     def _deregister(self, reg: Registration) -> None:
+        self.registered.pop(reg.rid, None)
         try:
             self.nixl.deregister_memory(reg.descs)
             self.stats["deregistered"] += 1

@@ -8,8 +8,9 @@ tag one, and the tag alone, for a trip longer than half the producer's grace), i
 word and its destination registrations, so a repeated fetch only posts and polls. Plans are
 kept per process (a bounded LRU), one fetch at a time each (a second fetch of the same pair
 meanwhile builds its own READs); one whose destination memory was freed, whose producer was
-forgotten or whose READ failed is retired. Keeping plans is off unless :data:`PREPARED` is set
-(``TENSORWIRE_NIXL_PREPARED=1``; see there).
+forgotten or whose READ failed is retired. A plan holds every registration its READs may
+resolve to (:meth:`~.agent.NixlAgent.hold_overlapping`). Keeping plans is on unless
+``TENSORWIRE_NIXL_PREPARED=0`` (:data:`PREPARED`).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ if TYPE_CHECKING:
 __all__ = ["KEPT", "PREPARED", "Plan", "Plans", "check_destinations", "rows_for"]
 
 KEPT = 64  # plans a process keeps (the least recently used go first)
-# Prepared READs are off by default: with them, a consumer of `tensorwire bench`'s process
-# scenarios crashed now and then inside UCX (`ucp_get_nbx`, 3 of 13 runs here; 0 of 8 without);
-# why is not known yet. Every fetch then makes its READs for itself (7 us more at 4 KiB).
-# TENSORWIRE_NIXL_PREPARED=1 turns them on (experimental: to measure them and find that crash).
+# Prepared READs, on unless TENSORWIRE_NIXL_PREPARED=0 (then every fetch makes its READs for
+# itself: 7 us more at 4 KiB). They were off while a consumer crashed now and then inside UCX
+# (`ucp_get_nbx`): a kept READ pointed at another registration overlapping its destination, which
+# was deregistered under it; plans now hold every such registration.
 PREPARED_ENV = "TENSORWIRE_NIXL_PREPARED"
-PREPARED = os.environ.get(PREPARED_ENV, "0").strip() == "1"
+PREPARED = os.environ.get(PREPARED_ENV, "1").strip() != "0"
 _SEEN = 1024  # (object, destination) pairs remembered as fetched once: the second fetch makes a plan
 
 
@@ -47,6 +48,7 @@ class PlanOwner(Protocol):
     def release(self, xfers: list) -> None: ...
     def release_lists(self, dlists: list) -> None: ...
     def unuse(self, regs: Sequence[Any]) -> None: ...
+    def hold_overlapping(self, rows: Sequence[tuple[int, int, int]], vram: bool, held: Sequence[Any]) -> list: ...
     def keep_running(
         self, owner: str, reads: list, *, memory: list, regs: list, give_back: Callable[[], None], lists: list
     ) -> None: ...
@@ -118,7 +120,10 @@ class Plans:
                         self._seen.popitem(last=False)
         plan.kept, plan.busy = kept, True
         try:
-            _build(agent, plan)
+            with agent.lock:  # no registration these READs may resolve to is made or goes meanwhile
+                for (local_vram, _), (local, _) in plan.groups if plan.landing is None else ():  # (a slab: its own)
+                    plan.regs += agent.hold_overlapping(local, local_vram, plan.regs)
+                _build(agent, plan)
         except BaseException:
             plan.kept = False
             self.retire(plan)
