@@ -133,11 +133,14 @@ def set_grace(grace_s: float) -> None:
     nixl_agent.GRACE_S = grace_s
 
 
-def set_prepared(on: bool) -> None:
-    """Consumer: keep prepared READs per (object, destination) (on by default: plans.PREPARED)."""
+def set_prepared(on: bool | None) -> None:
+    """Consumer: keep prepared READs per (object, destination), or not; None: as the
+    environment says (on unless ``TENSORWIRE_NIXL_PREPARED=0``)."""
+    import os
+
     from tensorwire.transport.backends.nixl import plans
 
-    plans.PREPARED = on
+    plans.PREPARED = on if on is not None else os.environ.get(plans.PREPARED_ENV, "1").strip() != "0"
 
 
 def fetch_freed_midway(ref: tw.Ref, name: str) -> str:
@@ -211,3 +214,62 @@ def overlapping_registration_held(ref: tw.Ref) -> dict:
     tw.get(ref, out=out, transport="nixl")
     digests.append(digest(out))
     return {"held": held, "dropped_plans": plans_before - plans_after, "gone": gone, "digests": digests}
+
+
+def plan_not_kept_while_it_would_hold_freed_memory(ref: tw.Ref) -> dict:
+    """Consumer: a registration overlapping the destination whose memory was freed but which
+    something still uses (here: an extra use) would be held by the plan, which would then go
+    at its next use: the pair's READs are made per fetch until that registration went, then kept."""
+    import numpy as np
+
+    agent = nixl_agent.process_agent()
+    base = np.zeros(ref.nbytes + 8192, dtype=np.uint8)
+    wide = torch.from_numpy(base)
+    (wide_reg,) = agent.acquire([wide])  # used (and kept in use) by "someone"
+    del wide  # its memory is freed as far as the registration knows
+    out = torch.from_numpy(base[4096 : 4096 + ref.nbytes])
+    made = nixl_agent.stats()["plans_made"]
+    digests = []
+
+    def fetch(times: int) -> int:
+        for _ in range(times):
+            out.zero_()
+            tw.get(ref, out=out, transport="nixl")
+            digests.append(digest(out))
+        return nixl_agent.stats()["plans_made"] - made
+
+    while_used = fetch(3)
+    agent.unuse([wide_reg])  # its last use: the sweep deregisters it
+    agent._sweep_once()
+    gone = wide_reg.rid not in agent.registered
+    after = fetch(3)
+    return {"while_used": while_used, "gone": gone, "after": after, "digests": digests}
+
+
+def younger_twin_waits_for_the_older(nbytes: int) -> dict:
+    """NIXL deregisters the *oldest* registration of an (address, bytes, device): new memory
+    registered where a stale registration (still in use) lies is deregistered only after it."""
+    agent = nixl_agent.process_agent()
+    tensor = torch.ones(nbytes, dtype=torch.uint8)
+    (old,) = agent.acquire([tensor])
+
+    class Freed:
+        def expired(self) -> bool:
+            return True
+
+    old.weak = Freed()
+    (new,) = agent.acquire([tensor])  # "new memory" at the same address: old goes stale
+    start = agent.stats["deregistered"]
+    agent.unuse([new])
+    with agent.lock:
+        agent._drop(new)  # as the cache's trim or the sweep would
+    waiting = {"new_in_nixl": new.rid in agent.registered, "deregistered": agent.stats["deregistered"] - start}
+    agent.unuse([old])  # the stale one's last use: it goes, then the one waiting behind it
+    return {
+        "waiting": waiting,
+        "after": {
+            "old_in_nixl": old.rid in agent.registered,
+            "new_in_nixl": new.rid in agent.registered,
+            "deregistered": agent.stats["deregistered"] - start,
+        },
+    }

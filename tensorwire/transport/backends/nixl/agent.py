@@ -6,7 +6,6 @@ loaded; READs kept until NIXL says they ended."""
 from __future__ import annotations
 
 import atexit
-import bisect
 import contextlib
 import itertools
 import logging
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tensorwire.errors import TransportError, TransportUnavailableError
 from tensorwire.transport.backends.nixl.engine import BACKENDS_ENV, new_agent
+from tensorwire.transport.backends.nixl.overlaps import overlapping
 from tensorwire.transport.backends.nixl.plans import Plans
 from tensorwire.transport.backends.nixl.slab import Slab
 
@@ -98,6 +98,9 @@ class Registration:
     descs: Any  # nixlRegDList
     users: int = 0
     stale: bool = False  # its memory was freed while in use: unlisted, deregistered at its last unuse
+    permanent: bool = False  # never deregistered (the tag tables, the slabs)
+    overlapped: bool = False  # (permanent ones) other registrations covered some of its memory when made
+    leaving: bool = False  # to be deregistered once no older registration of its key is left
 
 
 class NixlAgent:
@@ -117,6 +120,7 @@ class NixlAgent:
         self.capacity = max(16, int(os.environ.get(CACHE_ENV, "512")))
         self.regs: OrderedDict[tuple[int, int, bool, int], Registration] = OrderedDict()
         self.registered: dict[int, Registration] = {}  # every registration NIXL holds, stale ones too (by rid)
+        self.twins: dict[tuple, list[Registration]] = {}  # key -> its registrations in NIXL, oldest first
         self.idle: dict[tuple, Registration] = {}  # users dropped to 0: checked for freed memory by _sweep
         self.partials: OrderedDict[tuple[int, ...], list[bytes]] = OrderedDict()
         self.remote: dict[str, set[int]] = {}  # remote agent name -> registration ids loaded
@@ -141,6 +145,7 @@ class NixlAgent:
         # producer: the tags of live objects; consumer: where tags are read into
         self.table, self.flags = (torch.zeros(SLOTS, dtype=torch.int64) for _ in range(2))
         self.table_reg, self.flags_reg = self.acquire([self.table, self.flags])
+        self.table_reg.permanent = self.flags_reg.permanent = True
         self.table_np, self.flags_np = self.table.numpy(), self.flags.numpy()  # cheaper to index
         self.free_table, self.free_flags = list(range(SLOTS)), list(range(SLOTS))
         self.plans = Plans(self)  # consumer: READs made once per (object, destination), posted again
@@ -178,8 +183,9 @@ class NixlAgent:
                 for key in keys:  # one descriptor list per region, to deregister it alone
                     descs = self.nixl.get_reg_descs([(key[0], key[1], key[3], "")], mem)
                     weak = liveness(missing[key])
-                    found[key] = self.regs[key] = Registration(next(self.ids), key, weak, descs)
-                    self.registered[found[key].rid] = found[key]
+                    found[key] = self.regs[key] = reg = Registration(next(self.ids), key, weak, descs)
+                    self.registered[reg.rid] = reg
+                    self.twins.setdefault(key, []).append(reg)
                     self.stats["registered"] += 1
             regs = [r for r in found.values() if r is not None]
             for reg in regs:
@@ -208,38 +214,18 @@ class NixlAgent:
     def hold_overlapping(
         self, rows: Sequence[tuple[int, int, int]], vram: bool, held: Sequence[Registration]
     ) -> list[Registration]:
-        """Use once more every registration of ``vram`` memory that overlaps one of ``rows``
-        ((address, bytes, device)) and is not in ``held``; those registrations (a plan's, given
-        back with its own).
-
-        NIXL resolves a READ's descriptor to a registration that covers it, by address, when the
-        READ is made, and registrations can overlap (memory freed and allocated anew before the
-        old registration went, views of one mapping): a READ may point at any of them, so none
-        may be deregistered before the READ is released (seen otherwise: SIGSEGV in
-        ``ucp_get_nbx``, a freed registration's memory handle). One whose memory was freed and
-        that nothing uses goes now instead of being held.
+        """Use once more every registration a READ of ``rows`` ((address, bytes, device) of
+        ``vram`` memory) may resolve to, other than ``held`` and permanent ones; those (a plan's,
+        given back with its own). One whose memory was freed and that nothing uses goes now
+        instead (:mod:`.overlaps` says why).
         """
-        if not rows:
-            return []
         with self.lock:
-            low, high = min(r[0] for r in rows), max(r[0] + r[1] for r in rows)
             mine = {r.rid for r in held}
-            candidates = [
-                r
-                for r in self.registered.values()
-                if r.key[2] is vram and r.rid not in mine and r.key[0] < high and low < r.key[0] + r.key[1]
-            ]
-            if not candidates:
-                return []
-            spans = sorted((r[0], r[0] + r[1]) for r in rows)
-            starts, reach = [s for s, _ in spans], list(itertools.accumulate((e for _, e in spans), max))
             found = []
-            for reg in candidates:
-                start, end = reg.key[0], reg.key[0] + reg.key[1]
-                before = bisect.bisect_left(starts, end)  # rows starting before its end: does one reach into it?
-                if not before or reach[before - 1] <= start:
+            for reg in overlapping(self.registered.values(), rows, vram):
+                if reg.rid in mine or reg.permanent:
                     continue
-                if not reg.users and not reg.stale and reg.weak.expired():
+                if not reg.users and self.regs.get(reg.key) is reg and reg.weak.expired():
                     self._drop(reg)
                     continue
                 reg.users += 1
@@ -247,8 +233,16 @@ class NixlAgent:
             return found
 
     def _registered(self, buffer: Any) -> Registration:
-        """``buffer`` registered for the process's life (a slab's block)."""
-        return self.acquire([buffer])[0]
+        """``buffer`` registered for the process's life (a slab's block); ``overlapped`` if
+        registrations of memory freed before it was allocated still cover some of it (READs
+        into it then hold them, as any plan does)."""
+        with self.lock:
+            (reg,) = self.acquire([buffer])
+            reg.permanent = True
+            others = self.hold_overlapping([(reg.key[0], reg.key[1], reg.key[3])], reg.key[2], [reg])
+            reg.overlapped = bool(others)
+            self.unuse(others)
+            return reg
 
     def linger(self, memory: Sequence[Any], then: Callable[[], None], grace_s: float, nbytes: int) -> None:
         """Producer: keep a freed object's ``memory`` (``nbytes``) for ``grace_s``, then call
@@ -295,6 +289,17 @@ class NixlAgent:
         self._deregister(reg)
 
     def _deregister(self, reg: Registration) -> None:
+        """Deregister ``reg`` (unused) now, or once every older registration of its key went:
+        NIXL's deregistration removes the *oldest* one of an (address, bytes, device), so new
+        memory registered at a stale registration's address waits for that one (still in use)."""
+        reg.leaving = reg.stale = True  # (a registration waiting here comes back at its last unuse)
+        twins = self.twins.get(reg.key, [reg])
+        while twins and twins[0].leaving and not twins[0].users:
+            self._deregister_now(twins.pop(0))
+        if not twins:
+            self.twins.pop(reg.key, None)
+
+    def _deregister_now(self, reg: Registration) -> None:
         self.registered.pop(reg.rid, None)
         try:
             self.nixl.deregister_memory(reg.descs)

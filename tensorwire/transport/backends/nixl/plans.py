@@ -5,9 +5,9 @@ when the producer gives the object no grace). The first fetch of an
 (object, destination) pair builds its READs for that fetch only; from the second on, the pair
 has a *plan*: NIXL's prepared descriptor lists of both sides and prepared READs (the data and
 tag one, and the tag alone, for a trip longer than half the producer's grace), its own tag
-word and its destination registrations, so a repeated fetch only posts and polls. Plans are
+word and the registrations its READs may use, so a repeated fetch only posts and polls. Plans are
 kept per process (a bounded LRU), one fetch at a time each (a second fetch of the same pair
-meanwhile builds its own READs); one whose destination memory was freed, whose producer was
+meanwhile builds its own READs); one holding memory that was freed, whose producer was
 forgotten or whose READ failed is retired. A plan holds every registration its READs may
 resolve to (:meth:`~.agent.NixlAgent.hold_overlapping`). Keeping plans is on unless
 ``TENSORWIRE_NIXL_PREPARED=0`` (:data:`PREPARED`).
@@ -49,6 +49,9 @@ class PlanOwner(Protocol):
     def release_lists(self, dlists: list) -> None: ...
     def unuse(self, regs: Sequence[Any]) -> None: ...
     def hold_overlapping(self, rows: Sequence[tuple[int, int, int]], vram: bool, held: Sequence[Any]) -> list: ...
+
+    landing: Any  # the slab where packed objects land (``registration.overlapped``)
+
     def keep_running(
         self, owner: str, reads: list, *, memory: list, regs: list, give_back: Callable[[], None], lists: list
     ) -> None: ...
@@ -57,15 +60,15 @@ class PlanOwner(Protocol):
 @dataclass(eq=False)
 class Plan:
     """The READs of one fetch: ``reads`` (one per pair of memory kinds; with a grace, the host
-    one also reads the tag into ``word``), the tag-only READ, the destination registrations it
-    uses, and for a kept plan NIXL's prepared lists."""
+    one also reads the tag into ``word``), the tag-only READ, the registrations it holds (its
+    destinations' and any other its READs may resolve to), and for a kept plan NIXL's prepared lists."""
 
     owner: str  # the producer's NIXL agent
     tag: int
     grace_s: float
     word: Any  # where the tag lands: a one-element int64 array
     give_back: Callable[[], None]  # frees where the tag (and a packed object) lands
-    regs: list[Any]  # the agent's Registrations of the destinations
+    regs: list[Any]  # the agent's Registrations it holds: the destinations' and those overlapping them
     groups: list[tuple[tuple[bool, bool], tuple[list, list]]]  # ((local VRAM, remote VRAM), (local, remote rows))
     tag_rows: tuple[tuple, tuple]  # (the row where the tag lands, the object's liveness slot's row)
     kept: bool = False
@@ -100,7 +103,7 @@ class Plans:
             plan = self._kept.get(key)
             if plan is None or plan.busy:
                 return None
-            if any(r.weak.expired() for r in plan.regs):  # a destination was freed: its address may be reused
+            if any(r.weak.expired() for r in plan.regs):  # memory it may write was freed: the address may be reused
                 self._drop(key)
                 return None
             plan.busy = True
@@ -118,11 +121,13 @@ class Plans:
                     self._seen[key] = None
                     while len(self._seen) > _SEEN:
                         self._seen.popitem(last=False)
-        plan.kept, plan.busy = kept, True
+        plan.busy = True
         try:
             with agent.lock:  # no registration these READs may resolve to is made or goes meanwhile
-                for (local_vram, _), (local, _) in plan.groups if plan.landing is None else ():  # (a slab: its own)
-                    plan.regs += agent.hold_overlapping(local, local_vram, plan.regs)
+                held = _hold_overlapping(agent, plan)
+                if any(r.stale or r.weak.expired() for r in held):  # kept, it would go at its next use
+                    kept = False
+                plan.kept = kept
                 _build(agent, plan)
         except BaseException:
             plan.kept = False
@@ -192,6 +197,19 @@ class Plans:
         agent.release_lists(plan.dlists)
         agent.unuse(plan.regs)
         plan.give_back()
+
+
+def _hold_overlapping(agent: PlanOwner, plan: Plan) -> list[Any]:
+    """Hold every other registration the plan's READs may resolve to (:mod:`.overlaps`); those.
+    A packed plan lands in the agent's slab, which only registrations older than the slab
+    (``overlapped``) can overlap."""
+    if plan.landing is not None and not agent.landing.registration.overlapped:
+        return []
+    held = []
+    for (local_vram, _), (local, _) in plan.groups:
+        held += agent.hold_overlapping(local, local_vram, [*plan.regs, *held])
+    plan.regs += held
+    return held
 
 
 def _build(agent: PlanOwner, plan: Plan) -> None:
