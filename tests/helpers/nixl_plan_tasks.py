@@ -14,6 +14,13 @@ from tests.helpers.tasks import digest
 _kept: dict[str, Any] = {}
 
 
+class _Freed:
+    """What a freed storage's weak reference says."""
+
+    def expired(self) -> bool:
+        return True
+
+
 def put(name: str, nbytes: int, seed: int, grace_s: float = nixl_agent.GRACE_S) -> tw.Ref:
     """Producer: a random ``nbytes`` tensor kept under ``name``, put; its handles promise a
     grace of ``grace_s`` (this process's setting from now on)."""
@@ -170,11 +177,7 @@ def stale_registration_in_use() -> dict:
     tensor = torch.ones(1 << 20, dtype=torch.uint8)
     (old,) = agent.acquire([tensor])
 
-    class Freed:
-        def expired(self) -> bool:
-            return True
-
-    old.weak = Freed()  # what a freed storage's weak reference says
+    old.weak = _Freed()
     before = dict(nixl_agent.stats())
     (new,) = agent.acquire([tensor])  # "new memory" at the same address
     listed = agent.regs.get(nixl_agent.region(tensor)) is new
@@ -253,11 +256,7 @@ def younger_twin_waits_for_the_older(nbytes: int) -> dict:
     tensor = torch.ones(nbytes, dtype=torch.uint8)
     (old,) = agent.acquire([tensor])
 
-    class Freed:
-        def expired(self) -> bool:
-            return True
-
-    old.weak = Freed()
+    old.weak = _Freed()
     (new,) = agent.acquire([tensor])  # "new memory" at the same address: old goes stale
     start = agent.stats["deregistered"]
     agent.unuse([new])
