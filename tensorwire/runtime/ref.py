@@ -28,6 +28,8 @@ from tensorwire.transport.contract import ObjectDescriptor, TensorMeta
 if TYPE_CHECKING:
     import torch
 
+    from tensorwire.runtime.repeats import Remembered
+
 
 __all__ = ["Ref", "RefState"]  # RefState: re-exported from .ref_state
 
@@ -38,12 +40,13 @@ class Ref:
     """A reference to a value held by its owner process. Create with :func:`tensorwire.put`;
     fetch with :func:`tensorwire.get` or ``await ref``."""
 
-    __slots__ = ("__weakref__", "_moved_by", "_skeleton", "_state")
+    __slots__ = ("__weakref__", "_moved_by", "_remembered", "_skeleton", "_state")
 
     def __init__(self, state: RefState, skeleton: Any = _UNLOADED):
         self._state = state
         self._skeleton = skeleton
         self._moved_by = ""
+        self._remembered: Remembered | None = None
         agent = runtime_agent()
         if state.travels_inline and state.desc.owner.agent_id != agent.peer.agent_id:
             return  # the bytes are in the state: nothing to hold at the owner
@@ -108,6 +111,14 @@ class Ref:
     @property
     def owner_node_id(self) -> str:
         return self._desc.owner.node_id
+
+    @property
+    def remembered(self) -> Remembered | None:
+        """The last fetch of this reference into the caller's buffers, ready to repeat (:mod:`.repeats`)."""
+        return self._remembered
+
+    def remember(self, known: Remembered | None) -> None:
+        self._remembered = known
 
     def mark_moved(self, transport: str) -> None:
         """Record that ``transport`` moved this reference's value here (read as :attr:`transport`)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import io
 import pickle
 import threading
@@ -35,6 +36,7 @@ __all__ = [
     "flatten",
     "map_container",
     "match_out",
+    "rebuilder",
     "transform",
     "unflatten",
     "warn_large_skeleton",
@@ -251,6 +253,18 @@ def flatten(value: Any) -> tuple[Any, list[torch.Tensor], list[TensorKind]]:
 
     skeleton = transform(value, leaf)
     return skeleton, tensors, kinds
+
+
+def rebuilder(skeleton: Any) -> Callable[[list[Any]], Any]:
+    """A function that makes the value of ``skeleton`` from its leaves, as :func:`unflatten`
+    does, for a value made again and again: a tensor or a list of tensors without a walk."""
+    if isinstance(skeleton, Slot):
+        index = skeleton.index
+        return lambda leaves: leaves[index]
+    if type(skeleton) is list and all(isinstance(item, Slot) for item in skeleton):
+        indices = [item.index for item in skeleton]
+        return lambda leaves: [leaves[i] for i in indices]
+    return functools.partial(unflatten, skeleton)
 
 
 def unflatten(skeleton: Any, leaves: list[Any]) -> Any:

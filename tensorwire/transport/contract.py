@@ -12,7 +12,8 @@ Which methods a transport must implement follows from its :class:`Capabilities`
 =======================  ==========================================================
 capability               methods
 =======================  ==========================================================
-every transport          ``fetch`` (consumer), ``release`` (producer, may be a no-op)
+every transport          ``fetch`` (consumer), ``release`` (producer, may be a no-op);
+                         optionally ``repeater`` (consumer: the same fetch again, cheaper)
 ``needs_export``         ``export`` (producer)
 ``export_per_consumer``  ``export`` (producer, once per consumer process, on its request)
 ``one_sided=False``      ``serve`` (producer, on an agent service thread); transports
@@ -331,6 +332,15 @@ class Transport(ABC):
         Blocks until every byte arrived or ``request.deadline`` passed
         (``TransferTimeoutError``). Host memory only here; the caller stages other devices.
         """
+
+    def repeater(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> Callable[[float], bool] | None:
+        """Consumer, optional: after ``fetch(request, dst)`` succeeded, a callable that fetches
+        the same object into the same buffers again, cheaper, given the deadline
+        (``time.monotonic()``): True when done, False when it could not (the object freed, the
+        deadline too near: the caller then calls ``fetch``, which says why). The caller calls it
+        only while ``dst`` are the same live buffers. None (the default): nothing cheaper than
+        ``fetch``."""
+        return None
 
     def view(self, request: FetchRequest) -> list[torch.Tensor]:
         """Consumer: tensors that map the producer's bytes without a copy.

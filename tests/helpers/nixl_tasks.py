@@ -66,6 +66,18 @@ def drop_alone(name: str) -> None:
     del _kept[name]
 
 
+def fill_kept(name: str, fill: int) -> str:
+    """Overwrite the kept tensor ``name`` in place; the digest of what it holds now."""
+    _kept[name].fill_(fill)
+    return digest(_kept[name])
+
+
+def free_kept_refs() -> None:
+    """Free every object put by :func:`put_kept` (consumers' references to them see it freed)."""
+    for ref in _kept.pop("refs", []):
+        tw.free(ref)
+
+
 def region_registered(key: tuple) -> bool:
     with nixl_agent.process_agent().lock:
         return tuple(key) in nixl_agent.process_agent().regs

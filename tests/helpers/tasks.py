@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,40 @@ def get_into_out(ref: tw.Ref, transport: str = "") -> tuple[str, bool]:
         value = tw.get(ref, out=out[0], transport=transport)
         return digest(value), value is out[0]
     raise ValueError("get_into_out takes single-tensor refs")
+
+
+def get_into_kept_out(name: str, ref: tw.Ref | None = None, **kwargs: Any) -> tuple[str, str, bool]:
+    """Fetch the reference kept under ``name`` into the buffers kept with it, the same ones each
+    time (given ``ref``: kept, fetched once without ``out``, and copies of what came kept as the
+    buffers): (the digest of what arrived or the error's class, the transport, whether the
+    fetch was a repeat)."""
+    if ref is not None:
+        value = tw.get(ref, **kwargs)
+        _kept[name] = (ref, value.clone() if isinstance(value, torch.Tensor) else [t.clone() for t in value])
+    else:
+        ref, out = _kept[name]
+        try:
+            value = tw.get(ref, out=out, **kwargs)
+        except tw.TensorwireError as e:
+            return type(e).__name__, "", False
+        assert value is out if isinstance(out, torch.Tensor) else all(map(operator.is_, value, out))
+    record = tw.stats()["recent"][-1]
+    return digest(value), record.transport, record.reason.endswith("(repeated)")
+
+
+def refuse_shm_fetches(refuse: bool = True) -> None:
+    """Make the shm transport's ``fetch`` refuse every fetch in this process (or serve again)."""
+    from tensorwire.errors import TransportUnavailableError
+    from tensorwire.transport.backends.shm.transport import ShmTransport
+
+    def refused(self: Any, request: Any, dst: Any) -> None:
+        raise TransportUnavailableError("shm: fetches refused by the test")
+
+    if refuse:
+        _kept["shm_fetch"] = _kept.get("shm_fetch", ShmTransport.fetch)
+        ShmTransport.fetch = refused  # type: ignore[method-assign]
+    elif "shm_fetch" in _kept:
+        ShmTransport.fetch = _kept.pop("shm_fetch")  # type: ignore[method-assign]
 
 
 def register_test_transport() -> list[str]:

@@ -37,6 +37,7 @@ from tensorwire.transport.agent.instances import LoadedTransports
 from tensorwire.transport.agent.metrics import TransferRecord
 from tensorwire.transport.agent.peer_client import PeerClient
 from tensorwire.transport.agent.rendezvous import Mailbox
+from tensorwire.transport.agent.repeat import Repeat
 from tensorwire.transport.agent.service import ControlService
 from tensorwire.transport.agent.services import AgentServices
 from tensorwire.transport.agent.store import ObjectStore, check_token
@@ -361,32 +362,35 @@ class Agent(TransportContext, AgentServices):
         pooled: bool = False,
         timeout_s: float | None = None,
     ) -> tuple[list[torch.Tensor], TransferRecord]:
-        """Consumer: the object's tensors, each where it was asked for, and how they came.
+        forced, timeout_s = self._fetch_options(transport, timeout_s)
+        fetch = self._dispatch.fetch
+        tensors, record, _ = fetch(desc, handles, dst, targets, forced, view=view, pooled=pooled, timeout_s=timeout_s)
+        return tensors, record
 
-        Args:
-            desc: The object's descriptor.
-            handles: Export handles carried by the reference.
-            dst: The caller's buffers (matching ``desc.metas``; None entries, or None, for
-                none). A buffer the transport can write (contiguous, host or, for CUDA-capable
-                transports, CUDA) is filled directly; any other is copied into at the end.
-            targets: Where each tensor without a buffer should land (default: the host);
-                transports that write CUDA memory receive straight onto a CUDA target, others
-                land on the host and are moved (:mod:`.destinations`).
-            transport: Forced transport name; "" uses ``TENSORWIRE_TRANSPORT`` or the selector.
-            view: Prefer zero-copy views (same process: the producer's tensors; shm: a
-                copy-on-write mapping) over a private copy.
-            pooled: Land host tensors in pooled memory already faulted in (values of the same
-                size come again, e.g. an actor's arguments).
-            timeout_s: Deadline of the whole fetch (default ``Config.timeout_s``).
-        """
+    def fetch_repeatable(
+        self,
+        desc: ObjectDescriptor,
+        handles: dict[str, bytes],
+        *,
+        dst: Sequence[torch.Tensor],
+        targets: Sequence[torch.device] | None = None,
+        transport: str = "",
+        timeout_s: float | None = None,
+    ) -> tuple[list[torch.Tensor], TransferRecord, Repeat | None]:
+        forced, timeout_s = self._fetch_options(transport, timeout_s)
+        fetch = self._dispatch.fetch
+        return fetch(
+            desc, handles, dst, targets, forced, view=False, pooled=False, timeout_s=timeout_s, repeatable=True
+        )
+
+    def _fetch_options(self, transport: str, timeout_s: float | None) -> tuple[str, float]:
+        """A fetch's forced transport ("" for none) and time limit; newly registered transports loaded."""
         timeout_s = self._config.timeout_s if timeout_s is None else validate_timeout(timeout_s)
         forced = transport or self._config.transport
         if forced and forced not in self._transports:
             get_transport_class(forced)  # unknown names: "did you mean"
         self._refresh_if_registry_changed()
-        return self._dispatch.fetch(
-            desc, handles, dst=dst, targets=targets, forced=forced, view=view, pooled=pooled, timeout_s=timeout_s
-        )
+        return forced, timeout_s
 
     def _transfers(self) -> dict[str, dict[str, int]]:
         """This agent's fetches by transport: count and bytes."""

@@ -27,7 +27,7 @@ import torch
 from tensorwire.transport.contract import Capabilities, MemoryKind, TensorMeta
 from tensorwire.transport.host_pool import HostPool, Lease
 
-__all__ = ["finish", "prepare"]
+__all__ = ["fills_in_place", "finish", "prepare"]
 
 _CPU = torch.device("cpu")
 
@@ -61,8 +61,7 @@ def prepare(
     """
     cuda = MemoryKind.CUDA in caps.memory
     result: list[torch.Tensor | None] = [
-        given if given is not None and given.is_contiguous() and (given.is_cpu or (cuda and given.is_cuda)) else None
-        for given in (dst if dst is not None else [None] * len(metas))
+        given if _writable(given, cuda) else None for given in (dst if dst is not None else [None] * len(metas))
     ]
     targets = targets or [_CPU] * len(metas)
     use_pool = pool is not None and (pooled or (caps.registers_buffers and other_node))
@@ -71,6 +70,18 @@ def prepare(
         chosen if chosen is not None else _new(meta, target, cuda)
         for chosen, meta, target in zip(result, metas, targets, strict=True)
     ], lease
+
+
+def fills_in_place(caps: Capabilities, dst: Sequence[torch.Tensor | None], count: int) -> bool:
+    """Whether :func:`prepare` gives a transport with ``caps`` the caller's own buffer for
+    every one of ``count`` tensors (nothing is copied after the transfer)."""
+    cuda = MemoryKind.CUDA in caps.memory
+    return len(dst) == count and all(_writable(given, cuda) for given in dst)
+
+
+def _writable(given: torch.Tensor | None, cuda: bool) -> bool:
+    """Whether the transport can fill the caller's buffer ``given`` itself."""
+    return given is not None and given.is_contiguous() and (given.is_cpu or (cuda and given.is_cuda))
 
 
 def _new(meta: TensorMeta, target: torch.device, cuda: bool) -> torch.Tensor:

@@ -30,6 +30,7 @@ from tensorwire.transport.agent import destinations
 from tensorwire.transport.agent.instances import LoadedTransports
 from tensorwire.transport.agent.metrics import TransferRecord
 from tensorwire.transport.agent.peer_client import PeerClient
+from tensorwire.transport.agent.repeat import Repeat
 from tensorwire.transport.contract import (
     FetchRequest,
     ObjectDescriptor,
@@ -120,16 +121,18 @@ class FetchDispatch:
         self,
         desc: ObjectDescriptor,
         handles: dict[str, bytes],
-        *,
         dst: Sequence[torch.Tensor | None] | None,
         targets: Sequence[torch.device] | None,
         forced: str,
+        *,
         view: bool,
         pooled: bool,
         timeout_s: float,
-    ) -> tuple[list[torch.Tensor], TransferRecord]:
-        """Consumer: the object's tensors, where they were asked for, and how they came
-        (``Agent.fetch`` documents the arguments; ``forced`` is the transport name or "")."""
+        repeatable: bool = False,
+    ) -> tuple[list[torch.Tensor], TransferRecord, Repeat | None]:
+        """Consumer: the object's tensors, where they were asked for, how they came, and if
+        ``repeatable`` the same fetch ready to run again (:meth:`_repeat`). ``AgentServices.fetch``
+        documents the arguments; ``forced`` is the transport name or ""."""
         deadline = time.monotonic() + timeout_s
         selection, names, carriers = self._route(desc, handles, targets, forced)
         errors: list[str] = []
@@ -143,7 +146,7 @@ class FetchDispatch:
                     raise TransferTimeoutError(
                         f"fetch of object {desc.object_id.hex()} not started before its deadline ({timeout_s} s)"
                     )
-                tensors, zero_copy = self._attempt(name, attempt, desc, dst, targets, view=view, pooled=pooled)
+                tensors, zero_copy, attempt = self._attempt(name, attempt, desc, dst, targets, view=view, pooled=pooled)
             except TensorwireError as e:
                 self._on_failure(name, e, desc.owner, forced=forced, carriers=carriers)
                 errors.append(f"{name}: {e}")
@@ -162,7 +165,8 @@ class FetchDispatch:
                 failed_attempts=len(errors),
             )
             self._record(record)
-            return tensors, record
+            repeat = self._repeat(name, attempt, dst, record, timeout_s) if repeatable and not errors else None
+            return tensors, record, repeat
         raise NoTransportError(f"every transport failed for object {desc.object_id.hex()}: {'; '.join(errors)}")
 
     def _route(
@@ -207,8 +211,9 @@ class FetchDispatch:
         *,
         view: bool,
         pooled: bool,
-    ) -> tuple[list[torch.Tensor], bool]:
-        """One transport's try: (tensors, whether they are zero-copy views)."""
+    ) -> tuple[list[torch.Tensor], bool, FetchRequest]:
+        """One transport's try: (tensors, whether they are zero-copy views, the request as it
+        ran: with the handle the owner exported on request)."""
         instance, owner = self._transports[name], desc.owner
         if request.handle is None and instance.capabilities.needs_export:
             handle, info = self._client.export(request, name)
@@ -221,7 +226,7 @@ class FetchDispatch:
             tensors = instance.view(request)
             if instance.capabilities.needs_device_access:
                 self._hold(desc, tensors)
-            return tensors, True
+            return tensors, True, request
         tensors, lease = destinations.prepare(
             desc.metas,
             desc.packed_nbytes,
@@ -238,7 +243,27 @@ class FetchDispatch:
             if lease is not None:
                 lease.discard()  # a transport that failed may still be writing into it
             raise
-        return tensors, False
+        return tensors, False, request
+
+    def _repeat(
+        self,
+        name: str,
+        request: FetchRequest,
+        dst: Sequence[torch.Tensor | None] | None,
+        record: TransferRecord,
+        timeout_s: float,
+    ) -> Repeat | None:
+        """The fetch ``request`` into ``dst`` that made ``record``, ready to run again; None
+        where a repeat would skip more than the route: a view, or a buffer the transport did
+        not fill itself."""
+        instance = self._transports[name]
+        if (
+            record.zero_copy
+            or dst is None
+            or not destinations.fills_in_place(instance.capabilities, dst, len(request.metas))
+        ):
+            return None
+        return Repeat(instance, request, dst=dst, record=record, notify=self._record, timeout_s=timeout_s)
 
     def _on_failure(
         self, name: str, error: TensorwireError, owner: PeerInfo, *, forced: str, carriers: list[str]

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from tensorwire.transport.agent.metrics import TransferRecord
+    from tensorwire.transport.agent.repeat import Repeat
     from tensorwire.transport.config import Config
     from tensorwire.transport.contract import Capabilities, Diagnosis, Transport
     from tensorwire.transport.metadata import ObjectDescriptor, PeerInfo, StoredObject, TensorMeta
@@ -106,13 +107,42 @@ class AgentServices(ABC):
         pooled: bool = False,
         timeout_s: float | None = None,
     ) -> tuple[list[torch.Tensor], TransferRecord]:
-        """Consumer: the object's tensors, each in ``dst[i]`` where given, else on
-        ``targets[i]``, and the record of how they came.
+        """Consumer: the object's tensors, each where it was asked for, and the record of how
+        they came. Blocks until every byte arrived or ``timeout_s`` passed; the transport is
+        the selector's choice (or ``transport``), falling back on failure.
 
-        Blocks until every byte arrived or ``timeout_s`` passed; the transport is the
-        selector's choice (or ``transport``), falling back on failure. ``Agent.fetch``
-        documents the arguments.
+        Args:
+            desc: The object's descriptor.
+            handles: Export handles carried by the reference.
+            dst: The caller's buffers (matching ``desc.metas``; None entries, or None, for
+                none). A buffer the transport can write (contiguous, host or, for CUDA-capable
+                transports, CUDA) is filled directly; any other is copied into at the end.
+            targets: Where each tensor without a buffer should land (default: the host);
+                transports that write CUDA memory receive straight onto a CUDA target, others
+                land on the host and are moved (:mod:`.destinations`).
+            transport: Forced transport name; "" uses ``TENSORWIRE_TRANSPORT`` or the selector.
+            view: Prefer zero-copy views (same process: the producer's tensors; shm: a
+                copy-on-write mapping) over a private copy.
+            pooled: Land host tensors in pooled memory already faulted in (values of the same
+                size come again, e.g. an actor's arguments).
+            timeout_s: Deadline of the whole fetch (default ``Config.timeout_s``).
         """
+
+    @abstractmethod
+    def fetch_repeatable(
+        self,
+        desc: ObjectDescriptor,
+        handles: dict[str, bytes],
+        *,
+        dst: Sequence[torch.Tensor],
+        targets: Sequence[torch.device] | None = None,
+        transport: str = "",
+        timeout_s: float | None = None,
+    ) -> tuple[list[torch.Tensor], TransferRecord, Repeat | None]:
+        """Consumer: :meth:`fetch` into the caller's buffers ``dst`` (one for every tensor),
+        and the same fetch ready to run again into them
+        (:class:`~tensorwire.transport.agent.repeat.Repeat`), or None where it cannot be (a
+        fallback happened, a buffer the transport could not fill itself)."""
 
     # ------------------------------------------------------------------ references
 

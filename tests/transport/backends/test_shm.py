@@ -280,6 +280,29 @@ def test_an_object_of_few_tensors_is_read_with_its_live_word_in_one_call(monkeyp
 
 
 @needs_direct
+def test_a_prepared_read_reads_the_bytes_as_they_are_now_and_checks_the_live_word():
+    words = cma.LiveWords()
+    slot, address, nonce = words.take()
+    tensors = [torch.full((n,), i + 1, dtype=torch.uint8) for i, n in enumerate((4096, 10))]
+    info = cma.DirectRead(address, nonce, [(t.data_ptr(), t.numel()) for t in tensors])
+    outs = [torch.zeros_like(t) for t in tensors]
+    read = cma.prepared_read(os.getpid(), info, [(o.data_ptr(), o.numel()) for o in outs])
+    assert read is not None and read(time.monotonic() + 60)
+    assert all(torch.equal(o, t) for o, t in zip(outs, tensors, strict=True))
+    tensors[0].fill_(7)  # read again: the iovecs made once, the bytes as they are now
+    assert read(time.monotonic() + 60) and torch.equal(outs[0], tensors[0])
+    tensors[1].fill_(9)
+    assert not read(time.monotonic()) and int(outs[1][0]) == 2  # no time left: not read (the caller reads in steps)
+    words.clear(slot)
+    assert not read(time.monotonic() + 60)  # freed: the bytes are not to be used
+    assert cma.prepared_read(os.getpid(), info, [(outs[0].data_ptr(), 4096), (outs[1].data_ptr(), 5)]) is None
+    many = cma.DirectRead(address, nonce, [(0, 1)] * cma._FEW)
+    assert cma.prepared_read(os.getpid(), many, [(0, 1)] * cma._FEW) is None  # read the usual way
+    large = cma.DirectRead(address, nonce, [(0, cma.THREADED_MIN_NBYTES)])
+    assert cma.prepared_read(os.getpid(), large, [(0, cma.THREADED_MIN_NBYTES)]) is None  # split over threads
+
+
+@needs_direct
 def test_a_refused_direct_read_falls_back_to_the_segment(agent, worker, monkeypatch):
     ref = worker.call("tests.helpers.tasks:put_filled", 1 << 20, 9)
 

@@ -23,7 +23,7 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -36,6 +36,7 @@ __all__ = [
     "disable",
     "enabled",
     "pack_addresses",
+    "prepared_read",
     "read_into",
     "speed_vs_memcpy",
     "unavailable_reason",
@@ -257,6 +258,35 @@ def _read_with_word(pid: int, pieces: Sequence[tuple[int, int, int]], total: int
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
     return word.value == info.nonce if got == total + 8 else None
+
+
+def prepared_read(pid: int, info: DirectRead, local: Sequence[tuple[int, int]]) -> Callable[[float], bool] | None:
+    """The read :func:`read_into` makes of an object of few tensors (its pieces, then the live
+    word, in one call), with its iovecs made once: called with the deadline
+    (``time.monotonic()``), whether every byte came while the object was live. False also when
+    the kernel refused or copied less, the copy might not fit before the deadline, or another
+    thread is running it (the caller then reads the usual way, which says why). None for an object :func:`read_into`
+    reads otherwise (many tensors, a threaded copy).
+    """
+    pieces = [(dst, src, n) for (dst, n), (src, m) in zip(local, info.ranges, strict=True) if n == m]
+    total = sum(p[2] for p in pieces)
+    if len(pieces) != len(info.ranges) or len(pieces) >= _FEW or total >= THREADED_MIN_NBYTES:
+        return None
+    word, count, nonce, slow_s = ctypes.c_uint64(0), len(pieces) + 1, info.nonce, total / _SLOW_BYTES_PER_S
+    local_iov = (_Iovec * count)(*[_Iovec(d, n) for d, _, n in pieces], _Iovec(ctypes.addressof(word), 8))
+    remote_iov = (_Iovec * count)(*[_Iovec(r, n) for _, r, n in pieces], _Iovec(info.live_address, 8))
+    readv, monotonic, busy = _readv(), time.monotonic, threading.Lock()  # one read at a time owns the word
+
+    def read(deadline: float) -> bool:
+        if deadline - monotonic() <= slow_s or not busy.acquire(blocking=False):
+            return False
+        try:
+            word.value = 0
+            return readv(pid, local_iov, count, remote_iov, count, 0) == total + 8 and word.value == nonce
+        finally:
+            busy.release()
+
+    return read
 
 
 def _split(pieces: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:

@@ -38,7 +38,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -332,6 +332,15 @@ class ShmTransport(Transport):
                     mm.close()
         finally:
             os.close(fd)
+
+    def repeater(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> Callable[[float], bool] | None:
+        """Consumer: the direct read of the last fetch with its iovecs made once, where it read
+        directly (the owner's addresses kept while this process holds the object)."""
+        with self._kept_lock:
+            found = self._direct.get((request.object_id, request.token))
+        if found is None or not cma.enabled():
+            return None
+        return cma.prepared_read(request.owner.pid, found, [(t.data_ptr(), t.numel() * t.element_size()) for t in dst])
 
     def view(self, request: FetchRequest) -> list[torch.Tensor]:
         """Consumer: tensors mapped copy-on-write on the segment (no copy; writes stay private)."""

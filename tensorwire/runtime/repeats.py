@@ -1,0 +1,108 @@
+"""``tw.get(ref, out=buffers)`` again with the same buffers: the fetch made again, nothing
+worked out again.
+
+A consumer that reuses its receive buffers fetches one reference into them again and again.
+After a fetch into the caller's own buffers (one torch tensor for every tensor of the value,
+each filled in place) the reference remembers it (:meth:`~.ref.Ref.remember`): the agent's
+:class:`~tensorwire.transport.agent.repeat.Repeat` and which buffers they were. The next
+``tw.get`` of that reference with the same options and ``out`` holding the very same tensor
+objects, at the same addresses and shapes, runs the repeat: no matching of ``out`` against
+the value, no selection, no destinations. Anything else (other buffers, other options, a
+transport that failed, the registry changed) goes the ordinary way, which checks everything
+and says what is wrong. Only ``out`` given as a tensor, or a flat list, tuple or dict of
+tensors is recognised; nested ones always go the ordinary way.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from tensorwire.runtime import values
+from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.transport.agent.repeat import Repeat
+
+__all__ = ["Remembered", "again", "remembered"]
+
+
+class Remembered(NamedTuple):
+    """A fetch of one reference into the caller's buffers, as :func:`again` repeats it."""
+
+    agent: Any  # the agent that made it (a new agent, e.g. after a fork, makes its own)
+    options: tuple[Any, ...]  # (device, transport) as given
+    kind: type  # the type of ``out``
+    keys: tuple[Any, ...] | None  # a dict's keys, in order
+    buffers: tuple[weakref.ref, ...]  # ``out``'s tensors in its own order (not kept alive)
+    facts: tuple[tuple[int, torch.Size, torch.dtype], ...]  # each buffer's address, shape and dtype then
+    order: tuple[int, ...]  # for each tensor of the value, its buffer's position in ``buffers``
+    make: Callable[[list[torch.Tensor]], Any]  # the value from its tensors (:func:`values.rebuilder`)
+    repeat: Repeat
+
+
+def _leaves(out: Any, kind: type, keys: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """``out``'s items in its own order if it is a tensor or a flat container of ``kind``
+    (with ``keys``), else None."""
+    if kind is torch.Tensor:
+        return (out,) if isinstance(out, torch.Tensor) else None
+    if type(out) is not kind:
+        return None
+    if keys is None:
+        return tuple(out)
+    return tuple(out.values()) if tuple(out) == keys else None
+
+
+def remembered(
+    out: Any, options: tuple[Any, ...], skeleton: Any, checked: dict[int, torch.Tensor], repeat: Repeat | None
+) -> Remembered | None:
+    """What a repeat of a fetch into ``out`` needs (``checked``: its buffers by the value's tensor
+    index, one for each, as the ordinary fetch used them); None where :func:`again` would not
+    recognise it."""
+    if repeat is None:
+        return None
+    count = len(checked)
+    kind = torch.Tensor if isinstance(out, torch.Tensor) else type(out)
+    keys = tuple(out) if kind is dict else None
+    if kind not in (torch.Tensor, list, tuple, dict):
+        return None
+    leaves = _leaves(out, kind, keys)
+    if leaves is None or not all(type(leaf) is torch.Tensor for leaf in leaves):
+        return None
+    position = {id(leaf): i for i, leaf in enumerate(leaves)}
+    if any(id(checked[i]) not in position for i in range(count)):
+        return None  # a buffer was converted (a numpy array): not the caller's object
+    return Remembered(
+        runtime_agent(),
+        options,
+        kind,
+        keys,
+        tuple(weakref.ref(leaf) for leaf in leaves),
+        tuple((leaf.data_ptr(), leaf.shape, leaf.dtype) for leaf in leaves),
+        tuple(position[id(checked[i])] for i in range(count)),
+        values.rebuilder(skeleton),
+        repeat,
+    )
+
+
+def again(
+    known: Remembered | None, out: Any, options: tuple[Any, ...], timeout_s: float | None
+) -> tuple[str, Any] | None:
+    """Fetch again as ``known`` remembers it if ``out`` and ``options`` are what it remembers:
+    (the transport, the value); None when the ordinary fetch must run.
+
+    Raises:
+        TransferTimeoutError: The repeat's deadline passed.
+    """
+    if known is None or known.options != options or known.agent is not runtime_agent():
+        return None
+    leaves = _leaves(out, known.kind, known.keys)
+    if leaves is None or len(leaves) != len(known.buffers):
+        return None
+    for leaf, buffer, fact in zip(leaves, known.buffers, known.facts, strict=True):
+        if leaf is not buffer() or (leaf.data_ptr(), leaf.shape, leaf.dtype) != fact or not leaf.is_contiguous():
+            return None
+    dst = [leaves[i] for i in known.order]
+    record = known.repeat(dst, timeout_s)
+    return None if record is None else (record.transport, known.make(dst))
