@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,6 +23,7 @@ from tensorwire.transport.contract import TensorMeta
 
 __all__ = ["executor", "get_async", "get_ref", "place_value"]
 
+_LEAST_S = 1e-6  # the time limit of a fetch with none left (it raises TransferTimeoutError at once)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -55,25 +57,29 @@ def get_ref(
     """The value ``ref`` (a :class:`~.ref.Ref`) points to, fetched (``tensorwire.get``
     documents the options; ``pooled``: host tensors land in pooled memory); into the same
     ``out`` as last time, the same fetch again (:mod:`.repeats`)."""
-    options = (device, transport)
+    agent, options = runtime_agent(), (device, transport)
     if out is not None and not view and not pooled:
-        repeated = repeats.again(ref.remembered, out, options, timeout_s)
+        deadline = time.monotonic() + (agent.config.timeout_s if timeout_s is None else timeout_s)
+        repeated = repeats.again(ref.remembered, out, options, agent, deadline)
         if repeated is not None:
             ref.mark_moved(repeated[0])
             return repeated[1]
+        timeout_s = max(deadline - time.monotonic(), _LEAST_S)  # what a repeat that failed left
     skeleton = ref.skeleton()
     state = ref.state
-    agent = runtime_agent()
     desc = state.desc
     outs, checked = placement.matched_out(skeleton, out, desc.metas)
     targets = placement.targets(desc.metas, device)
     if len(checked) == len(desc.metas) and not view and not pooled:  # every tensor into the caller's buffer
-        dst = [checked[i] for i in range(len(desc.metas))]
-        fetch = agent.fetch_repeatable
-        tensors, record, repeat = fetch(
-            desc, state.handles, dst=dst, targets=targets, transport=transport or state.transport, timeout_s=timeout_s
+        tensors, record, repeat = agent.fetch_repeatable(
+            desc,
+            state.handles,
+            dst=[checked[i] for i in range(len(desc.metas))],
+            targets=targets,
+            transport=transport or state.transport,
+            timeout_s=timeout_s,
         )
-        ref.remember(repeats.remembered(out, options, skeleton, checked, repeat))
+        ref.remember(repeats.remembered(agent, out, options, skeleton, checked, repeat))
     else:
         same_process = desc.owner.agent_id == agent.peer.agent_id
         tensors, record = agent.fetch(

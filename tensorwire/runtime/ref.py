@@ -114,10 +114,12 @@ class Ref:
 
     @property
     def remembered(self) -> Remembered | None:
-        """The last fetch of this reference into the caller's buffers, ready to repeat (:mod:`.repeats`)."""
+        """The last fetch of this reference into the caller's buffers, ready to run again
+        (:mod:`.repeats`; the runtime's, users need not)."""
         return self._remembered
 
     def remember(self, known: Remembered | None) -> None:
+        """Keep ``known`` as :attr:`remembered` (the runtime's, after a fetch into buffers)."""
         self._remembered = known
 
     def mark_moved(self, transport: str) -> None:

@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 import torch
 
 from tensorwire.runtime import values
-from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport.agent.repeat import Repeat
+from tensorwire.transport.agent.services import AgentServices
+from tensorwire.transport.config import Config
 
 __all__ = ["Remembered", "again", "remembered"]
 
@@ -31,7 +32,8 @@ __all__ = ["Remembered", "again", "remembered"]
 class Remembered(NamedTuple):
     """A fetch of one reference into the caller's buffers, as :func:`again` repeats it."""
 
-    agent: Any  # the agent that made it (a new agent, e.g. after a fork, makes its own)
+    agent: AgentServices  # the agent that made it (a new agent, e.g. after a fork, makes its own)
+    config: Config  # the agent's settings then (new settings: the ordinary way, e.g. another forced transport)
     options: tuple[Any, ...]  # (device, transport) as given
     kind: type  # the type of ``out``
     keys: tuple[Any, ...] | None  # a dict's keys, in order
@@ -54,8 +56,13 @@ def _leaves(out: Any, kind: type, keys: tuple[Any, ...] | None) -> tuple[Any, ..
     return tuple(out.values()) if tuple(out) == keys else None
 
 
-def remembered(
-    out: Any, options: tuple[Any, ...], skeleton: Any, checked: dict[int, torch.Tensor], repeat: Repeat | None
+def remembered(  # noqa: PLR0917 - what the ordinary fetch had in hand
+    agent: AgentServices,
+    out: Any,
+    options: tuple[Any, ...],
+    skeleton: Any,
+    checked: dict[int, torch.Tensor],
+    repeat: Repeat | None,
 ) -> Remembered | None:
     """What a repeat of a fetch into ``out`` needs (``checked``: its buffers by the value's tensor
     index, one for each, as the ordinary fetch used them); None where :func:`again` would not
@@ -74,7 +81,8 @@ def remembered(
     if any(id(checked[i]) not in position for i in range(count)):
         return None  # a buffer was converted (a numpy array): not the caller's object
     return Remembered(
-        runtime_agent(),
+        agent,
+        agent.config,
         options,
         kind,
         keys,
@@ -87,15 +95,16 @@ def remembered(
 
 
 def again(
-    known: Remembered | None, out: Any, options: tuple[Any, ...], timeout_s: float | None
+    known: Remembered | None, out: Any, options: tuple[Any, ...], agent: AgentServices, deadline: float
 ) -> tuple[str, Any] | None:
-    """Fetch again as ``known`` remembers it if ``out`` and ``options`` are what it remembers:
+    """Fetch again as ``known`` remembers it, by ``deadline`` (``time.monotonic()``), if
+    ``out``, ``options`` and this process's ``agent`` and its settings are what it remembers:
     (the transport, the value); None when the ordinary fetch must run.
 
     Raises:
-        TransferTimeoutError: The repeat's deadline passed.
+        TransferTimeoutError: The deadline passed.
     """
-    if known is None or known.options != options or known.agent is not runtime_agent():
+    if known is None or known.options != options or known.agent is not agent or known.config is not agent.config:
         return None
     leaves = _leaves(out, known.kind, known.keys)
     if leaves is None or len(leaves) != len(known.buffers):
@@ -104,5 +113,5 @@ def again(
         if leaf is not buffer() or (leaf.data_ptr(), leaf.shape, leaf.dtype) != fact or not leaf.is_contiguous():
             return None
     dst = [leaves[i] for i in known.order]
-    record = known.repeat(dst, timeout_s)
+    record = known.repeat(dst, deadline)
     return None if record is None else (record.transport, known.make(dst))

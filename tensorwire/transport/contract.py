@@ -336,10 +336,11 @@ class Transport(ABC):
     def repeater(self, request: FetchRequest, dst: Sequence[torch.Tensor]) -> Callable[[float], bool] | None:
         """Consumer, optional: after ``fetch(request, dst)`` succeeded, a callable that fetches
         the same object into the same buffers again, cheaper, given the deadline
-        (``time.monotonic()``): True when done, False when it could not (the object freed, the
-        deadline too near: the caller then calls ``fetch``, which says why). The caller calls it
-        only while ``dst`` are the same live buffers. None (the default): nothing cheaper than
-        ``fetch``."""
+        (``time.monotonic()``). It returns True only when every byte came from the object while
+        it was live (read under the capability the first fetch proved); False when it could not
+        (the object freed, the deadline too near, another thread running it: the caller then
+        calls ``fetch``, which says why). Any thread may call it, while ``dst`` are the same
+        live buffers. None (the default): nothing cheaper than ``fetch``."""
         return None
 
     def view(self, request: FetchRequest) -> list[torch.Tensor]:

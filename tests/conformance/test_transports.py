@@ -213,6 +213,35 @@ def test_out_buffers(transport, consumers):
     assert same_buffer
 
 
+def test_out_buffers_again(transport, consumers):
+    """The same buffers again: the fetch is repeated (nothing worked out again) and gives what an
+    ordinary fetch gives at that moment; after ``free`` it fails as an ordinary fetch does."""
+    value = torch.arange(16384.0)  # 64 KiB: larger than a value that travels inline
+    ref = tw.put([value])
+    caps = caps_of(transport)
+    if not other_processes(caps):
+        out = [torch.zeros(16384)]
+        tw.get(ref, out=out, transport=transport)
+        value.add_(1)
+        ordinary = tw.get(ref, transport=transport)[0].clone()
+        assert tw.get(ref, out=out, transport=transport)[0] is out[0]
+        assert torch.equal(out[0], ordinary) and tw.stats()["recent"][-1].repeated
+        return
+    consumer = consumers["same" if caps.same_node else "other"]
+    consumer.call("tests.helpers.tasks:get_into_kept_out", "again", ref, transport=transport)
+    consumer.call("tests.helpers.tasks:get_into_kept_out", "again", transport=transport)  # into the buffers
+    value.add_(1)
+    ordinary, used = consumer.call("tests.helpers.tasks:get_transport", ref, transport=transport)
+    assert used == transport
+    got = consumer.call("tests.helpers.tasks:get_into_kept_out", "again", transport=transport)
+    assert got == (ordinary, transport, True)
+    if not caps.carries_value:  # (the bytes in the reference outlive the object)
+        tw.free(ref)
+        got = consumer.call("tests.helpers.tasks:get_into_kept_out", "again", transport=transport)
+        assert got == ("ObjectFreedError", "", False)
+    consumer.call("tests.helpers.tasks:drop", "again")
+
+
 def test_placements(transport, consumers):
     """A consumer on this node and one on another node each get the bytes exactly where the
     transport declares it serves, else ``NoTransportError``."""

@@ -47,7 +47,10 @@ def _writes_nothing(base: type) -> type:
         views = base.view(self, request)
         return views if _intact() else [torch.zeros_like(v) for v in views]
 
-    members = {"fetch": fetch, "__module__": __name__}
+    def repeater(self, request, dst: Sequence[torch.Tensor]) -> None:  # repeats go through the broken fetch
+        return None
+
+    members = {"fetch": fetch, "repeater": repeater, "__module__": __name__}
     if hasattr(base, "view"):
         members["view"] = view
     return type(f"WritesNothing{base.__name__}", (base,), members)

@@ -106,7 +106,7 @@ def get_into_kept_out(name: str, ref: tw.Ref | None = None, **kwargs: Any) -> tu
             return type(e).__name__, "", False
         assert value is out if isinstance(out, torch.Tensor) else all(map(operator.is_, value, out))
     record = tw.stats()["recent"][-1]
-    return digest(value), record.transport, record.reason.endswith("(repeated)")
+    return digest(value), record.transport, record.repeated
 
 
 def refuse_shm_fetches(refuse: bool = True) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -29,7 +31,7 @@ T = "tests.helpers.tasks"
 def _last() -> tuple[str, bool]:
     """The last fetch's transport and whether it was a repeat."""
     record = tw.stats()["recent"][-1]
-    return record.transport, record.reason.endswith("(repeated)")
+    return record.transport, record.repeated
 
 
 def _count(transport: str) -> int:
@@ -92,6 +94,78 @@ def test_other_buffers_or_options_go_the_ordinary_way_then_are_repeated_in_turn(
     assert _last() == ("null", True)
 
 
+def test_a_tuple_of_buffers_is_repeated_and_another_tensor_on_the_same_memory_is_not(over_null):
+    value = [torch.arange(6.0), torch.arange(3.0)]
+    ref = tw.put(value)
+    a, b = torch.zeros(6), torch.zeros(3)
+    tw.get(ref, out=(a, b))
+    value[0].fill_(5)
+    tw.get(ref, out=(a, b))
+    assert torch.equal(a, value[0]) and _last() == ("null", True)
+    again_a = a.view(6)  # another tensor object over the same memory: checked the ordinary way
+    value[0].fill_(6)
+    got = tw.get(ref, out=(again_a, b))
+    assert got[0] is again_a and torch.equal(a, value[0]) and _last() == ("null", False)
+
+
+def test_a_transposed_buffer_and_new_settings_go_the_ordinary_way(over_null, agent):
+    from dataclasses import replace
+
+    value = torch.arange(16.0).reshape(4, 4)
+    ref = tw.put([value])
+    out = [torch.zeros(4, 4)]
+    tw.get(ref, out=out)
+    out[0].t_()  # the same object, memory and shape, but no longer contiguous
+    value.add_(1)
+    tw.get(ref, out=out)
+    assert torch.equal(out[0], value) and _last() == ("null", False)  # filled as a transposed buffer is
+    tw.get(ref, out=out)
+    agent.set_config(replace(agent.config, timeout_s=30.0))  # settings changed since: worked out again
+    tw.get(ref, out=out)
+    assert _last() == ("null", False)
+    tw.get(ref, out=out, transport="null")  # another option (the same transport, named)
+    assert _last() == ("null", False)
+
+
+def test_a_repeat_has_the_time_limit_of_its_own_call(over_null, monkeypatch):
+    ref = tw.put([torch.arange(5.0)])
+    out = [torch.zeros(5)]
+    tw.get(ref, out=out, timeout_s=0.5)  # remembered with a short limit
+    left = []
+    real = NullTransport.fetch
+
+    def timed(self, request, dst):
+        left.append(request.deadline - time.monotonic())
+        return real(self, request, dst)
+
+    monkeypatch.setattr(NullTransport, "fetch", timed)
+    tw.get(ref, out=out)  # the default limit (60 s here), not the first call's
+    tw.get(ref, out=out, timeout_s=2.0)
+    assert _last() == ("null", True) and len(left) == 2
+    assert left[0] > 10 and 0 < left[1] <= 2.0
+
+
+def test_threads_repeating_one_reference_into_their_own_buffers_each_get_theirs(over_null):
+    value = torch.arange(1000.0)
+    ref = tw.put([value])
+    wrong = []
+
+    def loop(seed: int) -> None:
+        out = [torch.full((1000,), float(seed))]
+        for _ in range(200):
+            got = tw.get(ref, out=out)
+            if got[0] is not out[0] or not torch.equal(out[0], value):
+                wrong.append(seed)
+            out[0].fill_(-1)
+
+    threads = [threading.Thread(target=loop, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and wrong == []
+
+
 def test_a_buffer_changed_in_place_is_checked_again(over_null):
     value = torch.arange(8.0)
     ref = tw.put([value])
@@ -106,7 +180,7 @@ def test_a_buffer_changed_in_place_is_checked_again(over_null):
         tw.get(ref, out=out)
 
 
-def test_views_pooled_fetches_and_converted_buffers_are_never_repeated(over_null):
+def test_views_and_converted_buffers_are_never_repeated(over_null):
     value = np.arange(6, dtype=np.float32)
     ref = tw.put([value])
     out = [np.zeros(6, dtype=np.float32)]  # converted to a torch tensor on each fetch

@@ -362,10 +362,10 @@ class Agent(TransportContext, AgentServices):
         pooled: bool = False,
         timeout_s: float | None = None,
     ) -> tuple[list[torch.Tensor], TransferRecord]:
+        """Consumer (``AgentServices.fetch`` documents it)."""
         forced, timeout_s = self._fetch_options(transport, timeout_s)
-        fetch = self._dispatch.fetch
-        tensors, record, _ = fetch(desc, handles, dst, targets, forced, view=view, pooled=pooled, timeout_s=timeout_s)
-        return tensors, record
+        found = self._dispatch.fetch(desc, handles, dst, targets, forced, view=view, pooled=pooled, timeout_s=timeout_s)
+        return found[0], found[1]
 
     def fetch_repeatable(
         self,
@@ -377,9 +377,9 @@ class Agent(TransportContext, AgentServices):
         transport: str = "",
         timeout_s: float | None = None,
     ) -> tuple[list[torch.Tensor], TransferRecord, Repeat | None]:
+        """Consumer (``AgentServices.fetch_repeatable`` documents it)."""
         forced, timeout_s = self._fetch_options(transport, timeout_s)
-        fetch = self._dispatch.fetch
-        return fetch(
+        return self._dispatch.fetch(
             desc, handles, dst, targets, forced, view=False, pooled=False, timeout_s=timeout_s, repeatable=True
         )
 

@@ -165,7 +165,7 @@ class FetchDispatch:
                 failed_attempts=len(errors),
             )
             self._record(record)
-            repeat = self._repeat(name, attempt, dst, record, timeout_s) if repeatable and not errors else None
+            repeat = self._repeat(name, attempt, dst, record) if repeatable and not errors else None
             return tensors, record, repeat
         raise NoTransportError(f"every transport failed for object {desc.object_id.hex()}: {'; '.join(errors)}")
 
@@ -251,7 +251,6 @@ class FetchDispatch:
         request: FetchRequest,
         dst: Sequence[torch.Tensor | None] | None,
         record: TransferRecord,
-        timeout_s: float,
     ) -> Repeat | None:
         """The fetch ``request`` into ``dst`` that made ``record``, ready to run again; None
         where a repeat would skip more than the route: a view, or a buffer the transport did
@@ -263,7 +262,7 @@ class FetchDispatch:
             or not destinations.fills_in_place(instance.capabilities, dst, len(request.metas))
         ):
             return None
-        return Repeat(instance, request, dst=dst, record=record, notify=self._record, timeout_s=timeout_s)
+        return Repeat(instance, request, dst=dst, record=record, notify=self._record)
 
     def _on_failure(
         self, name: str, error: TensorwireError, owner: PeerInfo, *, forced: str, carriers: list[str]

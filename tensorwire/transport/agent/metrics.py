@@ -59,6 +59,7 @@ class TransferRecord(NamedTuple):
     zero_copy: bool
     failed_attempts: int = 0  # transports tried before this one, which failed (fell back)
     placed_s: float = 0.0  # after the transfer: copying into the caller's buffers, moving to devices
+    repeated: bool = False  # the same fetch into the same buffers again, nothing worked out again (agent/repeat.py)
 
 
 class Totals:

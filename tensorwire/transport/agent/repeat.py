@@ -12,6 +12,7 @@ changed, or the transport failed: the ordinary fetch then says why, or falls bac
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Repeat"]
 
+logger = logging.getLogger(__name__)
+
 
 class Repeat:
     """A fetch that succeeded, ready to run again into the same buffers.
@@ -38,10 +41,9 @@ class Repeat:
         dst: The buffers it filled (a transport's ``repeater`` may keep their addresses).
         record: The first fetch's record (each repeat records a copy with its own duration).
         notify: Where records go (the agent's).
-        timeout_s: The default deadline of one repeat.
     """
 
-    __slots__ = ("_asked", "_notify", "_reason", "_record", "_repeater", "_timeout_s", "_transport", "_version")
+    __slots__ = ("_notify", "_record", "_repeater", "_request", "_transport", "_version")
 
     def __init__(
         self,
@@ -51,17 +53,17 @@ class Repeat:
         dst: Sequence[torch.Tensor],
         record: TransferRecord,
         notify: Callable[[TransferRecord], None],
-        timeout_s: float,
     ) -> None:
-        self._transport, self._notify, self._timeout_s = transport, notify, timeout_s
-        self._asked = tuple(request)[:-1]  # all but the deadline (a new request costs less than ``_replace``)
-        self._repeater = transport.repeater(request, dst)
-        self._record, self._reason = record, f"{record.reason} (repeated)"
+        self._transport = transport
+        self._request = request
+        self._record = record
+        self._notify = notify
+        self._repeater = _repeater_of(transport, request, dst)
         self._version = registry.version()
 
-    def __call__(self, dst: Sequence[torch.Tensor], timeout_s: float | None) -> TransferRecord | None:
-        """Fetch again into ``dst`` (the buffers of the first fetch, in the object's order):
-        the record, or None when an ordinary fetch must do it.
+    def __call__(self, dst: Sequence[torch.Tensor], deadline: float) -> TransferRecord | None:
+        """Fetch again into ``dst`` (the buffers of the first fetch, in the object's order) by
+        ``deadline`` (``time.monotonic()``): the record, or None when an ordinary fetch must do it.
 
         Raises:
             TransferTimeoutError: The deadline passed (a READ may still be writing into ``dst``:
@@ -69,18 +71,40 @@ class Repeat:
         """
         if registry.version() != self._version:
             return None
-        deadline = time.monotonic() + (self._timeout_s if timeout_s is None else timeout_s)
         start = time.perf_counter()
         if self._repeater is None or not self._repeater(deadline):
+            asked = self._request  # a new request by name: cheaper than ``_replace``
+            request = FetchRequest(
+                asked.object_id, asked.token, asked.owner, asked.metas, asked.packed_nbytes, asked.handle, deadline
+            )
             try:
-                self._transport.fetch(FetchRequest(*self._asked, deadline), dst)
+                self._transport.fetch(request, dst)
             except TransferTimeoutError:
                 raise
             except TensorwireError:
                 return None
         first = self._record
         done = TransferRecord(
-            first.transport, self._reason, first.nbytes, time.perf_counter() - start, first.src, first.dst, False
+            transport=first.transport,
+            reason=first.reason,
+            nbytes=first.nbytes,
+            duration_s=time.perf_counter() - start,
+            src=first.src,
+            dst=first.dst,
+            zero_copy=False,
+            repeated=True,
         )
         self._notify(done)
         return done
+
+
+def _repeater_of(
+    transport: Transport, request: FetchRequest, dst: Sequence[torch.Tensor]
+) -> Callable[[float], bool] | None:
+    """The transport's ``repeater``, or None where it has none or it failed (a plug-in's error
+    never fails the fetch that already succeeded)."""
+    try:
+        return transport.repeater(request, dst)
+    except Exception:  # any transport's, plug-ins included
+        logger.debug("transport %s: repeater() failed; repeats use fetch()", transport.name, exc_info=True)
+        return None

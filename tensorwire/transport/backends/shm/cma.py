@@ -264,25 +264,29 @@ def prepared_read(pid: int, info: DirectRead, local: Sequence[tuple[int, int]]) 
     """The read :func:`read_into` makes of an object of few tensors (its pieces, then the live
     word, in one call), with its iovecs made once: called with the deadline
     (``time.monotonic()``), whether every byte came while the object was live. False also when
-    the kernel refused or copied less, the copy might not fit before the deadline, or another
-    thread is running it (the caller then reads the usual way, which says why). None for an object :func:`read_into`
-    reads otherwise (many tensors, a threaded copy).
+    the kernel refused or copied less, the copy might not fit before the deadline, direct reads
+    were turned off meanwhile, or another thread is running it (the caller then reads the usual
+    way, which says why). None for an object :func:`read_into` reads otherwise (many tensors, a
+    threaded copy).
     """
     pieces = [(dst, src, n) for (dst, n), (src, m) in zip(local, info.ranges, strict=True) if n == m]
     total = sum(p[2] for p in pieces)
     if len(pieces) != len(info.ranges) or len(pieces) >= _FEW or total >= THREADED_MIN_NBYTES:
         return None
-    word, count, nonce, slow_s = ctypes.c_uint64(0), len(pieces) + 1, info.nonce, total / _SLOW_BYTES_PER_S
+    word = ctypes.c_uint64(0)
+    count = len(pieces) + 1
     local_iov = (_Iovec * count)(*[_Iovec(d, n) for d, _, n in pieces], _Iovec(ctypes.addressof(word), 8))
     remote_iov = (_Iovec * count)(*[_Iovec(r, n) for _, r, n in pieces], _Iovec(info.live_address, 8))
-    readv, monotonic, busy = _readv(), time.monotonic, threading.Lock()  # one read at a time owns the word
+    slow_s = total / _SLOW_BYTES_PER_S
+    readv = _readv()
+    busy = threading.Lock()  # one read at a time owns the word
 
     def read(deadline: float) -> bool:
-        if deadline - monotonic() <= slow_s or not busy.acquire(blocking=False):
+        if _reason is not None or deadline - time.monotonic() <= slow_s or not busy.acquire(blocking=False):
             return False
         try:
             word.value = 0
-            return readv(pid, local_iov, count, remote_iov, count, 0) == total + 8 and word.value == nonce
+            return readv(pid, local_iov, count, remote_iov, count, 0) == total + 8 and word.value == info.nonce
         finally:
             busy.release()
 
