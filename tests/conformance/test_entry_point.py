@@ -24,6 +24,7 @@ CASES = [
     "test_dtypes",
     "test_nested_structure",
     "test_out_buffers",
+    "test_out_buffers_again",
     "test_placements",
     "test_same_process",
     "test_sidedness",
