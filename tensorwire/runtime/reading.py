@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tensorwire.errors import TransferTimeoutError
 from tensorwire.runtime import placement, repeats, values
 from tensorwire.runtime.ray_env import agent as runtime_agent
 from tensorwire.transport import metadata
@@ -23,7 +24,6 @@ from tensorwire.transport.contract import TensorMeta
 
 __all__ = ["executor", "get_async", "get_ref", "place_value"]
 
-_LEAST_S = 1e-6  # the time limit of a fetch with none left (it raises TransferTimeoutError at once)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -57,14 +57,18 @@ def get_ref(
     """The value ``ref`` (a :class:`~.ref.Ref`) points to, fetched (``tensorwire.get``
     documents the options; ``pooled``: host tensors land in pooled memory); into the same
     ``out`` as last time, the same fetch again (:mod:`.repeats`)."""
-    agent, options = runtime_agent(), (device, transport)
+    agent = runtime_agent()
+    options = (device, transport)
     if out is not None and not view and not pooled:
-        deadline = time.monotonic() + (agent.config.timeout_s if timeout_s is None else timeout_s)
+        limit_s = agent.config.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit_s
         repeated = repeats.again(ref.remembered, out, options, agent, deadline)
         if repeated is not None:
             ref.mark_moved(repeated[0])
             return repeated[1]
-        timeout_s = max(deadline - time.monotonic(), _LEAST_S)  # what a repeat that failed left
+        timeout_s = deadline - time.monotonic()  # what a repeat that failed left
+        if timeout_s <= 0:
+            raise TransferTimeoutError(f"fetch of object {ref.object_id} not done before its deadline ({limit_s} s)")
     skeleton = ref.skeleton()
     state = ref.state
     desc = state.desc

@@ -339,8 +339,9 @@ class Transport(ABC):
         (``time.monotonic()``). It returns True only when every byte came from the object while
         it was live (read under the capability the first fetch proved); False when it could not
         (the object freed, the deadline too near, another thread running it: the caller then
-        calls ``fetch``, which says why). Any thread may call it, while ``dst`` are the same
-        live buffers. None (the default): nothing cheaper than ``fetch``."""
+        calls ``fetch``, which says why; so does any error it raises but
+        ``TransferTimeoutError``). Any thread may call it, while ``dst`` are the same live
+        buffers. None (the default): nothing cheaper than ``fetch``."""
         return None
 
     def view(self, request: FetchRequest) -> list[torch.Tensor]:

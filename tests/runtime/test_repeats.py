@@ -216,6 +216,7 @@ def test_a_repeat_whose_transport_fails_hands_over_to_the_ordinary_fetch(over_nu
     def fails_once(self, request, dst):
         calls.append(request.deadline)
         if len(calls) == 1:
+            time.sleep(0.3)
             raise TransportError("null: made to fail once")
         return real(self, request, dst)
 
@@ -223,6 +224,42 @@ def test_a_repeat_whose_transport_fails_hands_over_to_the_ordinary_fetch(over_nu
     value.fill_(4)
     tw.get(ref, out=out)
     assert len(calls) == 2 and torch.equal(out[0], value) and _last() == ("null", False)
+    assert calls[1] <= calls[0] + 0.05  # the ordinary fetch had the time the repeat left, not a new limit
+
+
+def test_a_plug_ins_repeater_that_fails_leaves_the_repeat_to_fetch(over_null, monkeypatch):
+    def broken(self, request, dst):
+        raise RuntimeError("a plug-in's repeater, broken")
+
+    def raising(deadline):
+        raise RuntimeError("a plug-in's repeated read, broken")
+
+    value = torch.arange(5.0)
+    for repeater in (broken, lambda self, request, dst: raising):  # making it fails; running it fails
+        monkeypatch.setattr(NullTransport, "repeater", repeater)
+        ref = tw.put([value])
+        out = [torch.zeros(5)]
+        tw.get(ref, out=out)
+        value.add_(1)
+        tw.get(ref, out=out)
+        assert torch.equal(out[0], value) and _last() == ("null", True)
+
+
+def test_a_repeat_that_failed_with_no_time_left_is_a_timeout_naming_the_limit(over_null, monkeypatch):
+    ref = tw.put([torch.arange(5.0)])
+    out = [torch.zeros(5)]
+    tw.get(ref, out=out)
+    calls = []
+
+    def slow_failure(self, request, dst):
+        calls.append(request)
+        time.sleep(0.3)
+        raise TransportError("null: made to fail slowly")
+
+    monkeypatch.setattr(NullTransport, "fetch", slow_failure)
+    with pytest.raises(TransferTimeoutError, match=r"not done before its deadline \(0.2 s\)"):
+        tw.get(ref, out=out, timeout_s=0.2)
+    assert len(calls) == 1  # the ordinary fetch did not start with a new limit
 
 
 def test_a_repeat_past_its_deadline_raises_and_starts_no_other_fetch(over_null, monkeypatch):

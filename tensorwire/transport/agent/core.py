@@ -364,8 +364,10 @@ class Agent(TransportContext, AgentServices):
     ) -> tuple[list[torch.Tensor], TransferRecord]:
         """Consumer (``AgentServices.fetch`` documents it)."""
         forced, timeout_s = self._fetch_options(transport, timeout_s)
-        found = self._dispatch.fetch(desc, handles, dst, targets, forced, view=view, pooled=pooled, timeout_s=timeout_s)
-        return found[0], found[1]
+        tensors, record, _ = self._dispatch.fetch(
+            desc, handles, dst, targets, forced, view=view, pooled=pooled, timeout_s=timeout_s
+        )
+        return tensors, record
 
     def fetch_repeatable(
         self,

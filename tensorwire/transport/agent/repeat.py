@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING
 from tensorwire.errors import TensorwireError, TransferTimeoutError
 from tensorwire.transport import registry
 from tensorwire.transport.agent.metrics import TransferRecord
-from tensorwire.transport.contract import FetchRequest
 
 if TYPE_CHECKING:
     import torch
 
-    from tensorwire.transport.contract import Transport
+    from tensorwire.transport.contract import FetchRequest, Transport
 
 __all__ = ["Repeat"]
 
@@ -72,13 +71,9 @@ class Repeat:
         if registry.version() != self._version:
             return None
         start = time.perf_counter()
-        if self._repeater is None or not self._repeater(deadline):
-            asked = self._request  # a new request by name: cheaper than ``_replace``
-            request = FetchRequest(
-                asked.object_id, asked.token, asked.owner, asked.metas, asked.packed_nbytes, asked.handle, deadline
-            )
+        if not self._repeated(deadline):
             try:
-                self._transport.fetch(request, dst)
+                self._transport.fetch(self._request._replace(deadline=deadline), dst)
             except TransferTimeoutError:
                 raise
             except TensorwireError:
@@ -96,6 +91,19 @@ class Repeat:
         )
         self._notify(done)
         return done
+
+    def _repeated(self, deadline: float) -> bool:
+        """Whether the transport's ``repeater`` did it (one that raises did not, unless the
+        deadline passed)."""
+        if self._repeater is None:
+            return False
+        try:
+            return self._repeater(deadline)
+        except TransferTimeoutError:
+            raise
+        except Exception:  # any transport's, plug-ins included: ``fetch`` tries and says what is wrong
+            logger.debug("transport %s: its repeater failed; fetch() runs", self._transport.name, exc_info=True)
+            return False
 
 
 def _repeater_of(

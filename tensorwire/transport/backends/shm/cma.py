@@ -282,7 +282,7 @@ def prepared_read(pid: int, info: DirectRead, local: Sequence[tuple[int, int]]) 
     busy = threading.Lock()  # one read at a time owns the word
 
     def read(deadline: float) -> bool:
-        if _reason is not None or deadline - time.monotonic() <= slow_s or not busy.acquire(blocking=False):
+        if deadline - time.monotonic() <= slow_s or not enabled() or not busy.acquire(blocking=False):
             return False
         try:
             word.value = 0
