@@ -293,9 +293,9 @@ def test_a_prepared_read_reads_the_bytes_as_they_are_now_and_checks_the_live_wor
     assert read(time.monotonic() + 60) and torch.equal(outs[0], tensors[0])
     tensors[1].fill_(9)
     assert not read(time.monotonic()) and int(outs[1][0]) == 2  # no time left: not read (the caller reads in steps)
-    monkeypatch.setenv("TENSORWIRE_SHM_DIRECT", "0")
+    monkeypatch.setattr(cma, "_reason", "turned off by the test")  # as cma.disable() does, undone after
     assert not read(time.monotonic() + 60)  # direct reads turned off since it was made
-    monkeypatch.delenv("TENSORWIRE_SHM_DIRECT")
+    monkeypatch.undo()
     words.clear(slot)
     assert not read(time.monotonic() + 60)  # freed: the bytes are not to be used
     assert cma.prepared_read(os.getpid(), info, [(outs[0].data_ptr(), 4096), (outs[1].data_ptr(), 5)]) is None

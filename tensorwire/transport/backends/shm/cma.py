@@ -265,9 +265,9 @@ def prepared_read(pid: int, info: DirectRead, local: Sequence[tuple[int, int]]) 
     word, in one call), with its iovecs made once: called with the deadline
     (``time.monotonic()``), whether every byte came while the object was live. False also when
     the kernel refused or copied less, the copy might not fit before the deadline, direct reads
-    were turned off meanwhile, or another thread is running it (the caller then reads the usual
-    way, which says why). None for an object :func:`read_into` reads otherwise (many tensors, a
-    threaded copy).
+    were turned off meanwhile (:func:`disable`), or another thread is running it (the caller
+    then reads the usual way, which says why). None for an object :func:`read_into` reads
+    otherwise (many tensors, a threaded copy).
     """
     pieces = [(dst, src, n) for (dst, n), (src, m) in zip(local, info.ranges, strict=True) if n == m]
     total = sum(p[2] for p in pieces)
@@ -282,7 +282,7 @@ def prepared_read(pid: int, info: DirectRead, local: Sequence[tuple[int, int]]) 
     busy = threading.Lock()  # one read at a time owns the word
 
     def read(deadline: float) -> bool:
-        if deadline - time.monotonic() <= slow_s or not enabled() or not busy.acquire(blocking=False):
+        if _reason is not None or deadline - time.monotonic() <= slow_s or not busy.acquire(blocking=False):
             return False
         try:
             word.value = 0
