@@ -262,7 +262,7 @@ class FetchDispatch:
             or not destinations.fills_in_place(instance.capabilities, dst, len(request.metas))
         ):
             return None
-        return Repeat(instance, request, dst=dst, record=record, notify=self._record)
+        return Repeat(instance, request, record=record, notify=self._record)
 
     def _on_failure(
         self, name: str, error: TensorwireError, owner: PeerInfo, *, forced: str, carriers: list[str]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tensorwire.errors import TensorwireError, TransferTimeoutError
 from tensorwire.transport import registry
@@ -30,6 +30,8 @@ __all__ = ["Repeat"]
 
 logger = logging.getLogger(__name__)
 
+_NOT_MADE = object()  # a repeat's transport repeater, before its first use
+
 
 class Repeat:
     """A fetch that succeeded, ready to run again into the same buffers.
@@ -37,7 +39,6 @@ class Repeat:
     Args:
         transport: The transport that moved it.
         request: The request it ran (its deadline is replaced each time).
-        dst: The buffers it filled (a transport's ``repeater`` may keep their addresses).
         record: The first fetch's record (each repeat records a copy with its own duration).
         notify: Where records go (the agent's).
     """
@@ -49,7 +50,6 @@ class Repeat:
         transport: Transport,
         request: FetchRequest,
         *,
-        dst: Sequence[torch.Tensor],
         record: TransferRecord,
         notify: Callable[[TransferRecord], None],
     ) -> None:
@@ -57,7 +57,7 @@ class Repeat:
         self._request = request
         self._record = record
         self._notify = notify
-        self._repeater = _repeater_of(transport, request, dst)
+        self._repeater: Any = _NOT_MADE  # the transport's ``repeater``, made by the first repeat
         self._version = registry.version()
 
     def __call__(self, dst: Sequence[torch.Tensor], deadline: float) -> TransferRecord | None:
@@ -71,7 +71,7 @@ class Repeat:
         if registry.version() != self._version:
             return None
         start = time.perf_counter()
-        if not self._repeated(deadline):
+        if not self._repeated(dst, deadline):
             try:
                 self._transport.fetch(self._request._replace(deadline=deadline), dst)
             except TransferTimeoutError:
@@ -92,27 +92,17 @@ class Repeat:
         self._notify(done)
         return done
 
-    def _repeated(self, deadline: float) -> bool:
-        """Whether the transport's ``repeater`` did it (one that raises did not, unless the
-        deadline passed)."""
-        if self._repeater is None:
-            return False
+    def _repeated(self, dst: Sequence[torch.Tensor], deadline: float) -> bool:
+        """Whether the transport's ``repeater`` did it, made on the first repeat (not on every
+        fetch into buffers, most of which are never repeated). One that raises did not, unless
+        the deadline passed, and is not used again: ``fetch`` tries and says what is wrong."""
         try:
-            return self._repeater(deadline)
+            if self._repeater is _NOT_MADE:
+                self._repeater = self._transport.repeater(self._request, dst)
+            return self._repeater is not None and self._repeater(deadline)
         except TransferTimeoutError:
             raise
-        except Exception:  # any transport's, plug-ins included: ``fetch`` tries and says what is wrong
-            logger.debug("transport %s: its repeater failed; fetch() runs", self._transport.name, exc_info=True)
+        except Exception:  # any transport's, plug-ins included
+            logger.debug("transport %s: its repeater failed; repeats use fetch()", self._transport.name, exc_info=True)
+            self._repeater = None
             return False
-
-
-def _repeater_of(
-    transport: Transport, request: FetchRequest, dst: Sequence[torch.Tensor]
-) -> Callable[[float], bool] | None:
-    """The transport's ``repeater``, or None where it has none or it failed (a plug-in's error
-    never fails the fetch that already succeeded)."""
-    try:
-        return transport.repeater(request, dst)
-    except Exception:  # any transport's, plug-ins included
-        logger.debug("transport %s: repeater() failed; repeats use fetch()", transport.name, exc_info=True)
-        return None
