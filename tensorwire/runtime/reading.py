@@ -74,7 +74,7 @@ def get_ref(
     desc = state.desc
     outs, checked = placement.matched_out(skeleton, out, desc.metas)
     targets = placement.targets(desc.metas, device)
-    if len(checked) == len(desc.metas) and not view and not pooled:  # every tensor into the caller's buffer
+    if not view and not pooled and repeats.worth_keeping(ref, checked, len(desc.metas)):  # the same buffers again
         tensors, record, repeat = agent.fetch_repeatable(
             desc,
             state.handles,

@@ -46,7 +46,7 @@ class Ref:
         self._state = state
         self._skeleton = skeleton
         self._moved_by = ""
-        self._remembered: Remembered | None = None
+        self._remembered: Remembered | int | None = None
         agent = runtime_agent()
         if state.travels_inline and state.desc.owner.agent_id != agent.peer.agent_id:
             return  # the bytes are in the state: nothing to hold at the owner
@@ -113,12 +113,12 @@ class Ref:
         return self._desc.owner.node_id
 
     @property
-    def remembered(self) -> Remembered | None:
-        """The last fetch of this reference into the caller's buffers, ready to run again
-        (:mod:`.repeats`; the runtime's, users need not)."""
+    def remembered(self) -> Remembered | int | None:
+        """The last fetch of this reference into the caller's buffers, ready to run again, or
+        the mark of the buffers it used (:mod:`.repeats`; the runtime's, users need not)."""
         return self._remembered
 
-    def remember(self, known: Remembered | None) -> None:
+    def remember(self, known: Remembered | int | None) -> None:
         """Keep ``known`` as :attr:`remembered` (the runtime's, after a fetch into buffers)."""
         self._remembered = known
 

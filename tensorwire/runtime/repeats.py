@@ -2,9 +2,10 @@
 worked out again.
 
 A consumer that reuses its receive buffers fetches one reference into them again and again.
-After a fetch into the caller's own buffers (one torch tensor for every tensor of the value,
-each filled in place) the reference remembers it (:meth:`~.ref.Ref.remember`): the agent's
-:class:`~tensorwire.transport.agent.repeat.Repeat` and which buffers they were. The next
+After a second fetch into the same buffers of the caller's (one torch tensor for every tensor
+of the value, each filled in place) the reference remembers it (:meth:`~.ref.Ref.remember`):
+the agent's :class:`~tensorwire.transport.agent.repeat.Repeat` and which buffers they were
+(after the first, only the first buffer's ``id``: :func:`worth_keeping`). The next
 ``tw.get`` of that reference with the same options and ``out`` holding the very same tensor
 objects, at the same addresses and shapes, runs the repeat: no matching of ``out`` against
 the value, no selection, no destinations. Anything else (other buffers, other options, a
@@ -26,7 +27,7 @@ from tensorwire.transport.agent.repeat import Repeat
 from tensorwire.transport.agent.services import AgentServices
 from tensorwire.transport.config import Config
 
-__all__ = ["Remembered", "again", "remembered"]
+__all__ = ["Remembered", "again", "remembered", "worth_keeping"]
 
 
 class Remembered(NamedTuple):
@@ -54,6 +55,22 @@ def _leaves(out: Any, kind: type, keys: tuple[Any, ...] | None) -> tuple[Any, ..
     if keys is None:
         return tuple(out)
     return tuple(out.values()) if tuple(out) == keys else None
+
+
+def worth_keeping(ref: Any, checked: dict[int, torch.Tensor], count: int) -> bool:
+    """Whether an ordinary fetch of ``ref`` into the caller's buffers ``checked`` (one for
+    each of its ``count`` tensors) should be kept to repeat: its first buffer was the last
+    fetch's too. Keeping one costs some microseconds, so a caller that brings new buffers every
+    time never pays it; the reference then holds only the first buffer's ``id`` (a reused id
+    only makes a fetch kept that is not repeated: :func:`again` checks everything)."""
+    if len(checked) != count or not count:
+        return False
+    known = ref.remembered
+    first = checked[0]
+    same = known.buffers[known.order[0]]() is first if isinstance(known, Remembered) else known == id(first)
+    if not same:
+        ref.remember(id(first))
+    return same
 
 
 def remembered(  # noqa: PLR0917 - what the ordinary fetch had in hand
@@ -95,7 +112,7 @@ def remembered(  # noqa: PLR0917 - what the ordinary fetch had in hand
 
 
 def again(
-    known: Remembered | None, out: Any, options: tuple[Any, ...], agent: AgentServices, deadline: float
+    known: Remembered | int | None, out: Any, options: tuple[Any, ...], agent: AgentServices, deadline: float
 ) -> tuple[str, Any] | None:
     """Fetch again as ``known`` remembers it, by ``deadline`` (``time.monotonic()``), if
     ``out``, ``options`` and this process's ``agent`` and its settings are what it remembers:
@@ -104,7 +121,9 @@ def again(
     Raises:
         TransferTimeoutError: The deadline passed.
     """
-    if known is None or known.options != options or known.agent is not agent or known.config is not agent.config:
+    if not isinstance(known, Remembered):
+        return None
+    if known.options != options or known.agent is not agent or known.config is not agent.config:
         return None
     leaves = _leaves(out, known.kind, known.keys)
     if leaves is None or len(leaves) != len(known.buffers):

@@ -222,6 +222,7 @@ def test_out_buffers_again(transport, consumers):
     if not other_processes(caps):
         out = [torch.zeros(16384)]
         tw.get(ref, out=out, transport=transport)
+        tw.get(ref, out=out, transport=transport)  # the second fetch into these buffers: kept to repeat
         value.add_(1)
         ordinary = tw.get(ref, transport=transport)[0].clone()
         assert tw.get(ref, out=out, transport=transport)[0] is out[0]

@@ -92,12 +92,14 @@ def get_into_out(ref: tw.Ref, transport: str = "") -> tuple[str, bool]:
 
 def get_into_kept_out(name: str, ref: tw.Ref | None = None, **kwargs: Any) -> tuple[str, str, bool]:
     """Fetch the reference kept under ``name`` into the buffers kept with it, the same ones each
-    time (given ``ref``: kept, fetched once without ``out``, and copies of what came kept as the
-    buffers): (the digest of what arrived or the error's class, the transport, whether the
-    fetch was a repeat)."""
+    time (given ``ref``: kept, fetched once without ``out``, copies of what came kept as the
+    buffers and fetched into once): (the digest of what arrived or the error's class, the
+    transport, whether the fetch was a repeat)."""
     if ref is not None:
         value = tw.get(ref, **kwargs)
-        _kept[name] = (ref, value.clone() if isinstance(value, torch.Tensor) else [t.clone() for t in value])
+        out = value.clone() if isinstance(value, torch.Tensor) else [t.clone() for t in value]
+        _kept[name] = (ref, out)
+        tw.get(ref, out=out, **kwargs)  # the buffers' first fetch: the next one is kept to repeat
     else:
         ref, out = _kept[name]
         try:

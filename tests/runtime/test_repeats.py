@@ -42,6 +42,7 @@ def test_the_same_buffers_again_are_filled_by_a_repeat_with_the_bytes_as_they_ar
     value = [torch.arange(10.0), torch.arange(4, dtype=torch.int32)]
     ref = tw.put(value)
     out = [torch.zeros(10), torch.zeros(4, dtype=torch.int32)]
+    tw.get(ref, out=out)  # the first fetch into these buffers marks them; the second keeps it
     got = tw.get(ref, out=out)
     assert got[0] is out[0] and got[1] is out[1] and _last() == ("null", False)
     counted = _count("null")
@@ -56,10 +57,26 @@ def test_the_same_buffers_again_are_filled_by_a_repeat_with_the_bytes_as_they_ar
     assert ref.transport == "null"
 
 
+def test_new_buffers_every_time_are_never_kept_to_repeat(over_null):
+    from tensorwire.runtime.repeats import Remembered
+
+    value = torch.arange(10.0)
+    ref = tw.put([value])
+    for step in range(4):
+        value.fill_(step)
+        out = [torch.zeros(10)]
+        tw.get(ref, out=out)
+        assert torch.equal(out[0], value) and _last() == ("null", False)
+        assert not isinstance(ref.remembered, Remembered)  # only the first buffer's mark: nothing made
+    tw.get(ref, out=out)  # the second fetch into the last buffers keeps it
+    assert isinstance(ref.remembered, Remembered)
+
+
 def test_a_tensor_and_a_dict_of_tensors_are_repeated_and_a_dict_in_another_order_is_not(over_null):
     single = torch.arange(6.0)
     ref = tw.put(single)
     out = torch.zeros(6)
+    tw.get(ref, out=out)
     assert tw.get(ref, out=out) is out
     single.fill_(3)
     assert tw.get(ref, out=out) is out and torch.equal(out, single) and _last() == ("null", True)
@@ -67,6 +84,7 @@ def test_a_tensor_and_a_dict_of_tensors_are_repeated_and_a_dict_in_another_order
     state = {"a": torch.arange(3.0), "b": torch.arange(5.0)}
     ref = tw.put(state)
     a, b = torch.zeros(3), torch.zeros(5)
+    tw.get(ref, out={"a": a, "b": b})
     tw.get(ref, out={"a": a, "b": b})
     state["a"].fill_(7)
     got = tw.get(ref, out={"a": a, "b": b})  # another dict, the same keys and buffers
@@ -83,6 +101,8 @@ def test_other_buffers_or_options_go_the_ordinary_way_then_are_repeated_in_turn(
     tw.get(ref, out=first)
     tw.get(ref, out=second)
     assert torch.equal(second[0], value) and _last() == ("null", False)
+    tw.get(ref, out=second)  # the second fetch into these buffers: kept
+    assert _last() == ("null", False)
     value.add_(1)
     tw.get(ref, out=second)
     assert torch.equal(second[0], value) and _last() == ("null", True)
@@ -98,6 +118,7 @@ def test_a_tuple_of_buffers_is_repeated_and_another_tensor_on_the_same_memory_is
     value = [torch.arange(6.0), torch.arange(3.0)]
     ref = tw.put(value)
     a, b = torch.zeros(6), torch.zeros(3)
+    tw.get(ref, out=(a, b))
     tw.get(ref, out=(a, b))
     value[0].fill_(5)
     tw.get(ref, out=(a, b))
@@ -130,7 +151,8 @@ def test_a_transposed_buffer_and_new_settings_go_the_ordinary_way(over_null, age
 def test_a_repeat_has_the_time_limit_of_its_own_call(over_null, monkeypatch):
     ref = tw.put([torch.arange(5.0)])
     out = [torch.zeros(5)]
-    tw.get(ref, out=out, timeout_s=0.5)  # remembered with a short limit
+    tw.get(ref, out=out, timeout_s=0.5)
+    tw.get(ref, out=out, timeout_s=0.5)  # kept by a fetch with a short limit
     left = []
     real = NullTransport.fetch
 
@@ -199,6 +221,7 @@ def test_a_freed_object_is_an_error_not_the_last_bytes(over_null):
     out = [torch.zeros(5)]
     tw.get(ref, out=out)
     tw.get(ref, out=out)
+    tw.get(ref, out=out)
     assert _last() == ("null", True)
     tw.free(ref)
     with pytest.raises(tw.ObjectFreedError):
@@ -209,6 +232,7 @@ def test_a_repeat_whose_transport_fails_hands_over_to_the_ordinary_fetch(over_nu
     value = torch.arange(5.0)
     ref = tw.put([value])
     out = [torch.zeros(5)]
+    tw.get(ref, out=out)
     tw.get(ref, out=out)
     calls = []
     real = NullTransport.fetch
@@ -240,6 +264,7 @@ def test_a_plug_ins_repeater_that_fails_leaves_the_repeat_to_fetch(over_null, mo
         ref = tw.put([value])
         out = [torch.zeros(5)]
         tw.get(ref, out=out)
+        tw.get(ref, out=out)
         value.add_(1)
         tw.get(ref, out=out)
         assert torch.equal(out[0], value) and _last() == ("null", True)
@@ -248,6 +273,7 @@ def test_a_plug_ins_repeater_that_fails_leaves_the_repeat_to_fetch(over_null, mo
 def test_a_repeat_that_failed_with_no_time_left_is_a_timeout_naming_the_limit(over_null, monkeypatch):
     ref = tw.put([torch.arange(5.0)])
     out = [torch.zeros(5)]
+    tw.get(ref, out=out)
     tw.get(ref, out=out)
     calls = []
 
@@ -265,6 +291,7 @@ def test_a_repeat_that_failed_with_no_time_left_is_a_timeout_naming_the_limit(ov
 def test_a_repeat_past_its_deadline_raises_and_starts_no_other_fetch(over_null, monkeypatch):
     ref = tw.put([torch.arange(5.0)])
     out = [torch.zeros(5)]
+    tw.get(ref, out=out)
     tw.get(ref, out=out)
     calls = []
 
