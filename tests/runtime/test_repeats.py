@@ -38,6 +38,15 @@ def _count(transport: str) -> int:
     return tw.stats()["transfers"].get(transport, {}).get("count", 0)
 
 
+def _kept_to_repeat(value: torch.Tensor) -> tuple[tw.Ref, list[torch.Tensor]]:
+    """A reference to ``[value]`` and buffers it was fetched into twice: the next fetch repeats."""
+    ref = tw.put([value])
+    out = [torch.zeros_like(value)]
+    tw.get(ref, out=out)
+    tw.get(ref, out=out)
+    return ref, out
+
+
 def test_the_same_buffers_again_are_filled_by_a_repeat_with_the_bytes_as_they_are_now(over_null):
     value = [torch.arange(10.0), torch.arange(4, dtype=torch.int32)]
     ref = tw.put(value)
@@ -271,10 +280,7 @@ def test_a_plug_ins_repeater_that_fails_leaves_the_repeat_to_fetch(over_null, mo
 
 
 def test_a_repeat_that_failed_with_no_time_left_is_a_timeout_naming_the_limit(over_null, monkeypatch):
-    ref = tw.put([torch.arange(5.0)])
-    out = [torch.zeros(5)]
-    tw.get(ref, out=out)
-    tw.get(ref, out=out)
+    ref, out = _kept_to_repeat(torch.arange(5.0))
     calls = []
 
     def slow_failure(self, request, dst):
@@ -289,10 +295,7 @@ def test_a_repeat_that_failed_with_no_time_left_is_a_timeout_naming_the_limit(ov
 
 
 def test_a_repeat_past_its_deadline_raises_and_starts_no_other_fetch(over_null, monkeypatch):
-    ref = tw.put([torch.arange(5.0)])
-    out = [torch.zeros(5)]
-    tw.get(ref, out=out)
-    tw.get(ref, out=out)
+    ref, out = _kept_to_repeat(torch.arange(5.0))
     calls = []
 
     def times_out(self, request, dst):
