@@ -59,7 +59,8 @@ def get_ref(
     ``out`` as last time, the same fetch again (:mod:`.repeats`)."""
     agent = runtime_agent()
     options = (device, transport)
-    if out is not None and not view and not pooled:
+    into_buffers = out is not None and not view and not pooled  # a fetch that may be repeated
+    if into_buffers:
         limit_s = agent.config.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit_s
         repeated = repeats.again(ref.remembered, out, options, agent, deadline)
@@ -74,7 +75,7 @@ def get_ref(
     desc = state.desc
     outs, checked = placement.matched_out(skeleton, out, desc.metas)
     targets = placement.targets(desc.metas, device)
-    if not view and not pooled and repeats.worth_keeping(ref, checked, len(desc.metas)):  # the same buffers again
+    if into_buffers and repeats.worth_keeping(ref, checked, len(desc.metas)):  # the same buffers again
         tensors, record, repeat = agent.fetch_repeatable(
             desc,
             state.handles,
