@@ -4,7 +4,6 @@ facts about the tensors worked out once, every memo bounded, malformed rows refu
 from __future__ import annotations
 
 import pickle
-from dataclasses import replace
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ def test_a_descriptor_round_trips_and_a_layout_seen_before_decodes_to_the_same_m
     desc = _descriptor(metas)
     again = pickle.loads(pickle.dumps(desc))
     assert again == desc and again.owner == OWNER and again.nbytes == 3 * 64 + 12
-    other_object = pickle.loads(pickle.dumps(_descriptor(tuple(replace(m) for m in metas), b"p" * 16)))
+    other_object = pickle.loads(pickle.dumps(_descriptor(tuple(m._replace() for m in metas), b"p" * 16)))
     assert other_object.object_id == b"p" * 16 and other_object.metas is again.metas  # decoded once
     assert metadata.rows(desc.metas) is metadata.rows(desc.metas)  # encoded once per tuple
 

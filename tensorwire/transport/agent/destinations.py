@@ -106,10 +106,18 @@ def _pooled(
     if lease is None:
         return None
     buffer = torch.from_numpy(lease.array)
+    typed: dict[str, tuple[torch.Tensor, int]] = {}  # dtype -> (the buffer as that dtype, its item size)
     for i in missing:
         meta = metas[i]
-        piece = buffer[meta.offset : meta.offset + meta.nbytes]
-        result[i] = piece.view(getattr(torch, meta.dtype)).view(meta.shape)
+        as_dtype = typed.get(meta.dtype)
+        if as_dtype is None:  # offsets are ALIGNMENT-aligned, so every tensor starts on a whole item
+            dtype = getattr(torch, meta.dtype)
+            whole = len(buffer) - len(buffer) % dtype.itemsize
+            as_dtype = typed[meta.dtype] = (buffer[:whole].view(dtype), dtype.itemsize)
+        view, itemsize = as_dtype
+        start = meta.offset // itemsize
+        piece = view[start : start + meta.nbytes // itemsize]
+        result[i] = piece if len(meta.shape) == 1 else piece.view(meta.shape)  # one call per tensor for the usual 1-D
     return lease
 
 

@@ -18,6 +18,7 @@ from tensorwire.errors import ObjectFreedError, PermissionDeniedError, Tensorwir
 from tensorwire.transport.agent.instances import LoadedTransports
 from tensorwire.transport.config import Config
 from tensorwire.transport.contract import ObjectDescriptor, StoredObject, Transport
+from tensorwire.transport.metadata import facts
 
 __all__ = ["Entry", "ObjectStore", "check_token"]
 
@@ -171,7 +172,7 @@ class ObjectStore:
 
     def _export_all(self, entry: Entry, across_nodes: bool, made: dict[str, bytes]) -> dict[str, bytes]:
         handles: dict[str, bytes] = {}
-        memory = {m.memory for m in entry.stored.metas}
+        memory = facts(entry.stored.metas).memory
         transports = self._transports.usable()
         if any(n in transports and transports[n].capabilities.carries_value for n in made):
             return handles  # the bytes travel in the reference already: no other handle needed

@@ -59,6 +59,29 @@ def test_pooled_destinations_share_one_buffer_in_the_packed_layout():
     assert out[1] is given and lease is not None  # the caller's buffer wins over the pool
 
 
+def test_pooled_tensors_of_every_dtype_and_shape_are_views_at_their_offsets():
+    pool = HostPool(max_idle_nbytes=8 << 20, min_nbytes=64)
+    metas = (
+        TensorMeta((2, 3), "bfloat16", "cpu", 12, 0),
+        TensorMeta((), "int64", "cpu", 8, 64),
+        TensorMeta((5,), "float32", "cpu", 20, 128),
+        TensorMeta((3,), "bool", "cpu", 3, 192),
+        TensorMeta((2, 1), "complex128", "cpu", 32, 256),
+        TensorMeta((4,), "bfloat16", "cpu", 8, 320),
+    )
+    out, lease = prepare(metas, 384, None, None, HOST, pool=pool, pooled=True)
+    base = np.frombuffer(lease.array, dtype=np.uint8).ctypes.data
+    assert [t.data_ptr() - base for t in out] == [m.offset for m in metas]
+    assert [tuple(t.shape) for t in out] == [m.shape for m in metas]
+    assert [str(t.dtype) for t in out] == [f"torch.{m.dtype}" for m in metas]
+    assert all(t.is_contiguous() and t.nbytes == m.nbytes for t, m in zip(out, metas, strict=True))
+    for index, tensor in enumerate(out):  # each writes its own bytes only
+        tensor.reshape(-1).view(torch.uint8).fill_(index + 1)
+    bytes_ = np.frombuffer(lease.array, dtype=np.uint8)
+    for index, meta in enumerate(metas):
+        assert (bytes_[meta.offset : meta.offset + meta.nbytes] == index + 1).all()
+
+
 def test_pooled_when_asked_or_when_a_transport_registers_buffers_from_another_node():
     pool = HostPool(max_idle_nbytes=8 << 20, min_nbytes=64)
     registers = Capabilities(

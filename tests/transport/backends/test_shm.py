@@ -218,7 +218,7 @@ def test_address_requests_need_the_token_and_never_make_the_segment(tmp_path):
         with pytest.raises(tw.PermissionDeniedError):
             client.addresses(server.path, b"k" * 16, b"x" * 16, deadline=deadline)
         got = cma.unpack_addresses(client.addresses(server.path, b"k" * 16, b"t" * 16, deadline=deadline))
-        assert (got.live_address, got.nonce, got.ranges, made) == (0x1000, 0x55, [(0x2000, 10), (0, 0)], [])
+        assert (got.live_address, got.nonce, got.ranges, made) == (0x1000, 0x55, [[0x2000, 10], [0, 0]], [])
         with pytest.raises(tw.PermissionDeniedError):
             client.receive(server.path, b"k" * 16, b"x" * 16, deadline=deadline)
         assert made == []  # a wrong token makes nothing either

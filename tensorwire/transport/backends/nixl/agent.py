@@ -86,8 +86,10 @@ class KeptReads(NamedTuple):
 
 def region(tensor: Any) -> tuple[int, int, bool, int]:
     """(address, bytes, is VRAM, device) of the storage ``tensor`` lives in."""
-    storage, cuda = tensor.untyped_storage(), tensor.device.type == "cuda"
-    return storage.data_ptr(), storage.nbytes(), cuda, (tensor.device.index or 0) if cuda else 0
+    storage = tensor.untyped_storage()
+    if tensor.is_cuda:
+        return storage.data_ptr(), storage.nbytes(), True, tensor.get_device()
+    return storage.data_ptr(), storage.nbytes(), False, 0
 
 
 @dataclass

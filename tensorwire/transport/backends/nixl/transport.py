@@ -136,14 +136,14 @@ class NixlTransport(Transport):
 
     def export(self, obj: StoredObject) -> bytes | None:
         """Producer: register the object's storages (cached) and take a liveness slot."""
-        tensors = obj.tensors
-        if not tensors or any(not t.is_contiguous() or t.device.type not in ("cpu", "cuda") for t in tensors):
+        tensors, host = obj.tensors, obj.host_only
+        if not tensors or any(not (t.is_cpu or t.is_cuda) or not t.is_contiguous() for t in tensors):
             return None
         agent = process_agent()
         if not self._published:  # references leaving from now on carry the agent's metadata (twice: harmless)
             self.context.publish_transport_info(self.name, self.connection_info())
             self._published = True
-        if all(t.device.type == "cpu" for t in tensors) and fits(obj.nbytes):
+        if host and fits(obj.nbytes):
             slot = agent.objects.take()
             if slot is not None:  # a small host object: copied with its tag into one slot, read in one descriptor
                 return self._export_packed(agent, obj, slot)
@@ -162,10 +162,13 @@ class NixlTransport(Transport):
             agent.unuse(regs)
             raise TransportError(f"nixl: registering {obj.nbytes} bytes failed: {e}") from e
         agent.table_np[slot] = tag = secrets.randbits(63) | 1
-        rows = np.array([(t.data_ptr(), t.nbytes, t.device.index or 0, t.device.type == "cuda") for t in tensors], ROW)
+        if host:
+            rows = np.array([(t.data_ptr(), t.nbytes, 0, False) for t in tensors], ROW)
+        else:
+            rows = np.array([(t.data_ptr(), t.nbytes, t.device.index or 0, t.is_cuda) for t in tensors], ROW)
         rids, flag_addr = (*(r.rid for r in regs), agent.table_reg.rid), agent.table.data_ptr() + 8 * slot
         storage_nbytes = sum(r.key[1] for r in regs)  # what a grace would keep
-        grace = grace_us(storage_nbytes, host=all(t.device.type == "cpu" for t in tensors))
+        grace = grace_us(storage_nbytes, host=host)
         obj.transport_state[self.name] = _Exported(regs, slot, grace, storage_nbytes)
         return Handle(agent.name, tuple(partials), rids, rows, flag_addr, tag, grace).signed(obj.token)
 

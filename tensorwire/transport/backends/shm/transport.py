@@ -127,7 +127,7 @@ class ShmTransport(Transport):
         SIGBUS); raises ``TransportUnavailableError`` when the memory cannot be had (the agent
         then leaves consumers to another transport).
         """
-        if any(t.device.type != "cpu" for t in obj.tensors):
+        if not obj.host_only:
             return None  # device memory goes by cuda_ipc, or two-sided transports that stage it
         server = memfd.fd_server(socket_dir())
         if cma.enabled():
@@ -290,7 +290,7 @@ class ShmTransport(Transport):
             return False
         local = []
         for meta, out in zip(request.metas, dst, strict=True):
-            if out.numel() * out.element_size() != meta.nbytes or not out.is_contiguous():
+            if out.nbytes != meta.nbytes or not out.is_contiguous():
                 return False  # not one buffer of the right size: the segment path copies
             local.append((out.data_ptr(), meta.nbytes))
         try:
