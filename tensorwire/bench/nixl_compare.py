@@ -115,13 +115,16 @@ def get_rounds(ref: tw.Ref, tensors: int, transport: str, repeats: int, fill: in
 
 
 def get_new(ref: tw.Ref, tensors: int, transport: str, fill: int) -> tuple[float, bool]:
-    """Consumer: fetch a new object into the (cleared) buffer; the end time, and whether the
-    bytes were wrong."""
+    """Consumer: fetch a new object into the buffer; the end time, and whether the bytes were
+    wrong. The buffer is cleared after the check, outside the round (its start is the
+    producer's): bare NIXL's new-object rounds clear nothing inside theirs either, and a round
+    that writes nothing still leaves zeros, never ``fill``."""
     out = _out(ref, tensors)
-    _clear(out)
     tw.get(ref, out=out, transport=_named(transport))
     end = time.perf_counter()
-    return end, not _right(out, fill)
+    wrong = not _right(out, fill)
+    _clear(out)
+    return end, wrong
 
 
 def _named(transport: str) -> str:
