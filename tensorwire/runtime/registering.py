@@ -25,12 +25,12 @@ def register_tensors(tensors: list[torch.Tensor], kinds: list[TensorKind] | None
     device names and dtype names are worked out once per device and dtype.
     """
     kinds = kinds or [TensorKind.TORCH] * len(tensors)
-    sizes = [t.nbytes for t in tensors]
-    offsets, packed_nbytes = packed_layout(sizes)
+    nbytes_each = [t.nbytes for t in tensors]
+    offsets, packed_nbytes = packed_layout(nbytes_each)
     devices: dict[torch.device, tuple[str, str]] = {}  # device -> (name, GPU UUID)
     metas = []
     cuda = False
-    for t, nbytes, offset, kind in zip(tensors, sizes, offsets, kinds, strict=True):
+    for t, nbytes, offset, kind in zip(tensors, nbytes_each, offsets, kinds, strict=True):
         device = t.device
         named = devices.get(device)
         if named is None:

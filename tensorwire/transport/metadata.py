@@ -201,8 +201,9 @@ class StoredObject:
 
     @property
     def host_only(self) -> bool:
-        """Every tensor is in host memory (worked out once per metadata tuple)."""
-        return facts(self.metas).memory == _HOST_ONLY
+        """Producer (a transport's ``export``): every tensor is on the cpu device (worked out
+        once per metadata tuple)."""
+        return facts(self.metas).cpu_only
 
     def wait_ready(self) -> None:
         """Make the calling thread's current CUDA streams wait for the work that produced the
@@ -244,6 +245,7 @@ class MetaFacts(NamedTuple):
     memory: frozenset[MemoryKind]
     src_devices: frozenset[str]  # UUIDs of the GPUs the tensors live on
     foreign_memory: bool  # some CUDA tensor came from a DLPack producer (cupy, ...)
+    cpu_only: bool = True  # every tensor is on the cpu device (other devices count as host memory above)
 
 
 class _Memo:
@@ -368,6 +370,7 @@ def facts(metas: tuple[TensorMeta, ...]) -> MetaFacts:
         memory=memory or _HOST_ONLY,
         src_devices=frozenset(u for _, u, _ in devices if u),
         foreign_memory=any(d.startswith("cuda") and k in _FOREIGN_KINDS for d, _, k in devices),
+        cpu_only=all(d == "cpu" or d.startswith("cpu:") for d, _, _ in devices),
     )
     _facts_of.put(id(metas), (metas, made), len(metas))
     return made

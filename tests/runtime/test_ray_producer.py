@@ -57,20 +57,26 @@ def test_rays_buffer_check_reads_the_shapes_made_again(published):
         validate_tensor_buffers(wrong, read.tensor_meta)
 
 
-def test_plain_contiguous_tensors_are_taken_as_they_are():
+def test_a_value_without_tensors_reads_as_an_empty_list_after_the_trip():
+    metadata = ray_transport.TensorwireMetadata(tensor_meta=[], tensor_device=None)
+    read = pickle.loads(cloudpickle.dumps(metadata))
+    assert read.tensor_meta == [] and list(read.tensor_meta) == [] and not read.tensor_meta
+    assert "tensor_meta=[]" in repr(read)
+
+
+def test_tensors_are_registered_as_twins_on_their_memory_detached_and_contiguous():
     plain = torch.arange(6.0)
-    (taken,) = ray_transport._checked_tensors([plain])
-    assert taken is plain
-
-
-def test_tensors_needing_autograd_or_a_layout_change_are_detached_or_made_contiguous():
     weight = torch.nn.Parameter(torch.arange(4.0))
     frozen = torch.nn.Parameter(torch.arange(3.0), requires_grad=False)
+    grad = torch.arange(5.0, requires_grad=True)
     strided = torch.arange(8.0).reshape(2, 4).t()
-    taken = ray_transport._checked_tensors([weight, frozen, strided])
-    assert not taken[0].requires_grad and taken[0].data_ptr() == weight.data_ptr()
-    assert type(taken[1]) is torch.Tensor and taken[1].data_ptr() == frozen.data_ptr()  # subclasses: detached
-    assert taken[2].is_contiguous() and torch.equal(taken[2], strided)
+    taken = ray_transport._checked_tensors([plain, weight, frozen, grad, strided])
+    for given, twin in zip([plain, weight, frozen, grad], taken, strict=False):
+        assert twin is not given and twin.data_ptr() == given.data_ptr()
+        assert type(twin) is torch.Tensor and not twin.requires_grad
+    assert taken[4].is_contiguous() and torch.equal(taken[4], strided)
+    plain.set_(torch.zeros(6))  # the caller points its tensor elsewhere: the twin keeps the memory it had
+    assert torch.equal(taken[0], torch.arange(6.0))
 
 
 @pytest.mark.parametrize(

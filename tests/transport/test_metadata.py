@@ -34,7 +34,7 @@ def test_a_descriptor_round_trips_and_a_layout_seen_before_decodes_to_the_same_m
 
 def test_facts_name_bytes_memory_and_gpus():
     host = _metas(4)
-    assert metadata.facts(host) == (256, frozenset({MemoryKind.HOST}), frozenset(), False)
+    assert metadata.facts(host) == (256, frozenset({MemoryKind.HOST}), frozenset(), False, True)
     mixed = (
         *host,
         TensorMeta((4,), "uint8", "cuda:0", 4, 256, TensorKind.DLPACK, "GPU-a"),
@@ -42,8 +42,10 @@ def test_facts_name_bytes_memory_and_gpus():
     )
     facts = metadata.facts(mixed)
     assert facts.nbytes == 264 and facts.memory == {MemoryKind.HOST, MemoryKind.CUDA}
-    assert facts.src_devices == {"GPU-a", "GPU-b"} and facts.foreign_memory
-    assert metadata.facts(()) == (0, frozenset({MemoryKind.HOST}), frozenset(), False)
+    assert facts.src_devices == {"GPU-a", "GPU-b"} and facts.foreign_memory and not facts.cpu_only
+    assert metadata.facts(()) == (0, frozenset({MemoryKind.HOST}), frozenset(), False, True)
+    other_device = (*host, TensorMeta((4,), "uint8", "xpu:0", 4, 256))  # host memory to the selector, not the cpu's
+    assert metadata.facts(other_device).memory == {MemoryKind.HOST} and not metadata.facts(other_device).cpu_only
 
 
 def test_memos_stay_bounded_in_entries_and_in_tensors_and_answer_right_after_being_cleared():

@@ -112,12 +112,16 @@ def _pooled(
         as_dtype = typed.get(meta.dtype)
         if as_dtype is None:  # offsets are ALIGNMENT-aligned, so every tensor starts on a whole item
             dtype = getattr(torch, meta.dtype)
-            whole = len(buffer) - len(buffer) % dtype.itemsize
-            as_dtype = typed[meta.dtype] = (buffer[:whole].view(dtype), dtype.itemsize)
+            whole_nbytes = len(buffer) - len(buffer) % dtype.itemsize
+            as_dtype = typed[meta.dtype] = (buffer[:whole_nbytes].view(dtype), dtype.itemsize)
         view, itemsize = as_dtype
-        start = meta.offset // itemsize
-        piece = view[start : start + meta.nbytes // itemsize]
-        result[i] = piece if len(meta.shape) == 1 else piece.view(meta.shape)  # one call per tensor for the usual 1-D
+        start, count = meta.offset // itemsize, meta.nbytes // itemsize
+        piece = view[start : start + count]
+        if meta.offset % itemsize or count * itemsize != meta.nbytes or len(piece) != count:  # not the packed layout
+            piece = buffer[meta.offset : meta.offset + meta.nbytes].view(getattr(torch, meta.dtype)).view(meta.shape)
+        elif len(meta.shape) != 1 or meta.shape[0] != count:
+            piece = piece.view(meta.shape)  # (the usual 1-D tensor needs no second call)
+        result[i] = piece
     return lease
 
 

@@ -172,7 +172,7 @@ class ObjectStore:
 
     def _export_all(self, entry: Entry, across_nodes: bool, made: dict[str, bytes]) -> dict[str, bytes]:
         handles: dict[str, bytes] = {}
-        memory = facts(entry.stored.metas).memory
+        memory = facts(entry.stored.metas).memory if entry.stored.metas else frozenset()
         transports = self._transports.usable()
         if any(n in transports and transports[n].capabilities.carries_value for n in made):
             return handles  # the bytes travel in the reference already: no other handle needed

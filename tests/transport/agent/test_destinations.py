@@ -82,6 +82,22 @@ def test_pooled_tensors_of_every_dtype_and_shape_are_views_at_their_offsets():
         assert (bytes_[meta.offset : meta.offset + meta.nbytes] == index + 1).all()
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        TensorMeta((2,), "float32", "cpu", 8, 2),  # not on a whole item
+        TensorMeta((2,), "float32", "cpu", 6, 64),  # bytes that are no whole items
+        TensorMeta((3,), "float32", "cpu", 8, 64),  # a shape the bytes do not hold
+        TensorMeta((2,), "float32", "cpu", 8, 124),  # past the packed object
+        TensorMeta((2, 2), "float32", "cpu", 8, 64),
+    ],
+)
+def test_pooled_views_refuse_metadata_that_is_not_the_packed_layout(bad):
+    pool = HostPool(max_idle_nbytes=8 << 20, min_nbytes=64)
+    with pytest.raises(RuntimeError):
+        prepare((TensorMeta((4,), "float32", "cpu", 16, 0), bad), 128, None, None, HOST, pool=pool, pooled=True)
+
+
 def test_pooled_when_asked_or_when_a_transport_registers_buffers_from_another_node():
     pool = HostPool(max_idle_nbytes=8 << 20, min_nbytes=64)
     registers = Capabilities(

@@ -476,3 +476,17 @@ def test_an_offer_withdrawn_while_its_segment_is_made_answers_unknown_and_closes
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "xpu:0", "mps"])
+def test_only_objects_wholly_on_the_cpu_are_offered(device):
+    """shm hands out host addresses: an object with one tensor elsewhere (even a device the
+    selector counts as host memory) is left to other transports."""
+    from tensorwire.transport.contract import StoredObject, TensorMeta
+
+    tensors = [torch.zeros(4), torch.zeros(4)]
+    metas = (TensorMeta((4,), "float32", "cpu", 16, 0), TensorMeta((4,), "float32", device, 16, 64))
+    stored = StoredObject(b"o" * 16, b"t" * 16, tensors, metas, 128)
+    assert not stored.host_only
+    assert shm.ShmTransport(None).export(stored) is None
+    assert StoredObject(b"p" * 16, b"t" * 16, tensors, metas[:1] * 2, 128).host_only

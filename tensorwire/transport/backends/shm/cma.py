@@ -191,7 +191,8 @@ class LiveWords:
 
 
 def pack_addresses(live_address: int, nonce: int, ranges: Sequence[tuple[int, int]]) -> bytes:
-    """The reply :func:`unpack_addresses` reads (the ranges as one array: 1,024 tensors in one call)."""
+    """Producer (shm's ``export``): the descriptor server's reply that :func:`unpack_addresses`
+    reads (the ranges as one array: 1,024 tensors in one call)."""
     table = np.array(ranges, dtype=_RANGE_WORDS).reshape(-1, 2)
     return _HEADER.pack(live_address, nonce, len(table)) + table.tobytes()
 
@@ -206,7 +207,7 @@ class DirectRead:
 
 
 def unpack_addresses(data: bytes) -> DirectRead:
-    """Raises ``TransportError`` for a malformed reply."""
+    """Consumer: what :func:`pack_addresses` wrote; raises ``TransportError`` for a malformed reply."""
     if len(data) < _HEADER.size:
         raise TransportError("malformed address reply from a descriptor server")
     live, nonce, count = _HEADER.unpack_from(data)
