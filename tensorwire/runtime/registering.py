@@ -29,23 +29,21 @@ def register_tensors(tensors: list[torch.Tensor], kinds: list[TensorKind] | None
     offsets, packed_nbytes = packed_layout(nbytes_each)
     devices: dict[torch.device, tuple[str, str]] = {}  # device -> (name, GPU UUID)
     metas = []
-    cuda = False
     for t, nbytes, offset, kind in zip(tensors, nbytes_each, offsets, kinds, strict=True):
         device = t.device
         named = devices.get(device)
         if named is None:
             uuid = topology.cuda_uuid(device.index or 0) if device.type == "cuda" else ""
             named = devices[device] = (str(device), uuid)
-            cuda = cuda or device.type == "cuda"
         metas.append(TensorMeta(tuple(t.shape), metadata.dtype_name(t.dtype), named[0], nbytes, offset, kind, named[1]))
-    ready = _ready_events(tensors) if cuda else []
+    ready = _ready_events({d.index or 0 for d in devices if d.type == "cuda"})
     return runtime_agent().register(tensors, tuple(metas), packed_nbytes, ready=ready)
 
 
-def _ready_events(tensors: list[torch.Tensor]) -> list[Any]:
-    """One CUDA event per device, recorded on its current stream after the work queued so far."""
+def _ready_events(cuda_devices: set[int]) -> list[Any]:
+    """One CUDA event per device index, recorded on its current stream after the work queued so far."""
     events = []
-    for index in sorted({t.get_device() for t in tensors if t.is_cuda}):
+    for index in sorted(cuda_devices):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(index))
         events.append((index, event))

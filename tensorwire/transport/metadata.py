@@ -235,9 +235,6 @@ class FetchRequest(NamedTuple):
         return max(0.0, self.deadline - time.monotonic())
 
 
-_HOST_ONLY = frozenset({MemoryKind.HOST})
-
-
 class MetaFacts(NamedTuple):
     """What a fetch needs to know about an object's tensors as a whole."""
 
@@ -245,7 +242,7 @@ class MetaFacts(NamedTuple):
     memory: frozenset[MemoryKind]
     src_devices: frozenset[str]  # UUIDs of the GPUs the tensors live on
     foreign_memory: bool  # some CUDA tensor came from a DLPack producer (cupy, ...)
-    cpu_only: bool = True  # every tensor is on the cpu device (other devices count as host memory above)
+    cpu_only: bool  # every tensor is on the cpu device (other devices count as host memory above)
 
 
 class _Memo:
@@ -367,7 +364,7 @@ def facts(metas: tuple[TensorMeta, ...]) -> MetaFacts:
     memory = frozenset(MemoryKind.CUDA if d.startswith("cuda") else MemoryKind.HOST for d, _, _ in devices)
     made = MetaFacts(
         nbytes=sum(m.nbytes for m in metas),
-        memory=memory or _HOST_ONLY,
+        memory=memory or frozenset({MemoryKind.HOST}),
         src_devices=frozenset(u for _, u, _ in devices if u),
         foreign_memory=any(d.startswith("cuda") and k in _FOREIGN_KINDS for d, _, k in devices),
         cpu_only=all(d == "cpu" or d.startswith("cpu:") for d, _, _ in devices),
