@@ -1,4 +1,5 @@
-"""Shared fixtures: hardware probe and markers, test-only transport, leak checks."""
+"""Shared fixtures: hardware probe and markers, test-only transport, leak checks, the order of
+the modules that share a local Ray instance."""
 
 from __future__ import annotations
 
@@ -51,6 +52,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, reason in reasons.items():
             if reason and marker in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
+    items[:] = _shared_ray_modules_last(items)
+    config.stash[_RAY_MODULES] = {item.path for item in items if "ray_local" in item.fixturenames}
+
+
+_RAY_MODULES = pytest.StashKey[set]()
+
+
+def _shared_ray_modules_last(items: list[pytest.Item]) -> list[pytest.Item]:
+    """In each directory, the modules that share a local Ray instance (``ray_local``) after the
+    others, so that the instance starts once per directory (tests/helpers/ray_sessions.py)."""
+    ray_modules = {item.path for item in items if "ray_local" in item.fixturenames}
+    ordered: list[pytest.Item] = []
+    run: list[pytest.Item] = []  # consecutive items of one directory
+    for item in [*items, None]:
+        if run and (item is None or item.path.parent != run[0].path.parent):
+            ordered += [i for i in run if i.path not in ray_modules] + [i for i in run if i.path in ray_modules]
+            run = []
+        if item is not None:
+            run.append(item)
+    return ordered
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_ray_only_where_asked(request: pytest.FixtureRequest):
+    """Before a module that does not share the local Ray instance: stop it (its processes would
+    only load the machine, and the module may start its own)."""
+    if request.path not in request.config.stash.get(_RAY_MODULES, set()):
+        from tests.helpers.ray_sessions import stop_shared_ray
+
+        stop_shared_ray()
 
 
 _CALL_FAILED = pytest.StashKey[bool]()
@@ -83,11 +114,14 @@ def no_leaks(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="session", autouse=True)
 def clean_up_after_the_session():
-    """Clean-up only (the checks are per test, in ``no_leaks``): stop this process's agent.
+    """Clean-up only (the checks are per test, in ``no_leaks``): stop the shared Ray instance and
+    this process's agent.
     (Segments are anonymous: the kernel frees those of workers that tests killed on purpose.)"""
     yield
     from tensorwire.transport.agent.core import shutdown_agent
+    from tests.helpers.ray_sessions import stop_shared_ray
 
+    stop_shared_ray()
     shutdown_agent()
 
 

@@ -198,7 +198,7 @@ def ray_cluster():
     import ray
 
     import tensorwire as tw
-    from tests.integration.conftest import ray_session
+    from tests.helpers.ray_sessions import ray_session
 
     with ray_session():
         tw.init(address="local", num_cpus=1, include_dashboard=False)

@@ -158,10 +158,14 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def test_bench_smoke_every_scenario_tiny_sizes_checked(tmp_path):
-    out = tmp_path / "bench.json"
-    done = run_cli("-b", "4K", "-e", "64K", "-n", "2", "-w", "0", "--check", "--peers", "2", "--json", str(out))
+def test_bench_smoke_every_scenario_tiny_sizes_checked_plotted_with_progress(tmp_path):
+    """One run of every scenario (each start of Ray and of the peers costs seconds on 2 cores):
+    its JSON, its table, its plots and its progress bar."""
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = ("-b", "4K", "-e", "64K", "-n", "2", "-w", "0", "--check", "--peers", "2", "--json", str(out))
+    done = run_cli(*args, "--plot", str(png), "--progress")
     assert done.returncode == 0, done.stdout + done.stderr
+    _check_plots_and_progress(done, png)
     doc = json.loads(out.read_text())
     assert validate(doc) == []
     rows = doc["rows"]
@@ -226,13 +230,22 @@ def _check_nixl_compare_rows(rows: list[dict]) -> None:
                 assert ours["vs_best_baseline"] == pytest.approx(best / ours["p50_us"])
 
 
-def test_bench_usage_errors_exit_2():
-    done = run_cli("--scenarios", "p2p-processes,warp-drive", timeout=60)
-    assert done.returncode == 2 and "unknown scenario" in done.stderr
-    done = run_cli("-b", "1M", "-e", "4K", timeout=60)
-    assert done.returncode == 2 and "min <= max" in done.stderr
-    done = run_cli("--transports", "shmm", timeout=60)
-    assert done.returncode == 2 and "shm" in done.stderr  # did you mean
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--scenarios", "p2p-processes,warp-drive"], "unknown scenario"),
+        (["-b", "1M", "-e", "4K"], "min <= max"),
+        (["--transports", "shmm"], "shm"),  # did you mean
+    ],
+)
+def test_bench_usage_errors_exit_2(args, says, capsys):
+    from tensorwire.cli import main
+
+    try:
+        code = main(["bench", *args])
+    except SystemExit as exit_:  # argparse's own refusals
+        code = exit_.code
+    assert code == 2 and says in capsys.readouterr().err
 
 
 def test_a_transport_that_needs_two_gpus_is_received_on_the_second_or_skipped_with_why():
@@ -250,48 +263,44 @@ def test_a_transport_that_needs_two_gpus_is_received_on_the_second_or_skipped_wi
     assert consumer_device(registry.get_transport_class("shm").capabilities) == (None, "")
 
 
-def test_bench_plot_and_progress(tmp_path):
-    png = tmp_path / "bench.png"
-    done = run_cli(
-        "--scenarios",
-        "p2p-processes",
-        "--transports",
-        "shm",
-        "-b",
-        "4K",
-        "-e",
-        "64K",
-        "-n",
-        "2",
-        "-w",
-        "0",
-        "--plot",
-        str(png),
-        "--progress",
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+def _check_plots_and_progress(done: subprocess.CompletedProcess, png: pathlib.Path) -> None:
+    """The size plot, the sharded sync's per-pair timeline beside it, and a progress bar on stderr
+    that steps through every measurement once (scenarios add their steps as they learn them)."""
+    timeline = png.with_name("bench-sharded-timeline.png")
+    for picture in (png, timeline):
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
     drawn = [(int(a), int(b)) for a, b in re.findall(r"bench: +\d+%\|[^|]*\| (\d+)/(\d+) \[", done.stderr)]
-    steps = [c for i, c in enumerate(drawn) if c[0] > 0 and c != drawn[i - 1]]  # the bar at 0, closing redraws: out
-    # per size: memcpy, auto (same node), auto (other node), shm; then bare gloo, bare ucxx, bare NIXL: each drawn
-    assert drawn[0][0] == 0 and steps == [(i, 11) for i in range(1, 12)], done.stderr[-800:]
+    counts = [c for i, (c, _) in enumerate(drawn) if i == 0 or c != drawn[i - 1][0]]  # redraws: out
+    assert counts == list(range(drawn[-1][1] + 1)), done.stderr[-800:]  # 0, 1, 2, ... every step once
+    assert drawn[-1][0] == drawn[-1][1] > 20  # finished, every scenario's sizes and methods counted
     assert "bench:" not in done.stdout  # the bar stays on stderr
 
 
-def test_calibrate_writes_the_table_where_output_says(tmp_path):
-    from tensorwire.transport.hw.calibration import load_costs
+def test_the_timeline_is_drawn_next_to_the_plot():
+    from tensorwire.cli import timeline_path
 
-    path = tmp_path / "costs.json"
-    done = run_cli("--calibrate", "-e", "1M", "-n", "1", "--output", str(path))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"wrote {path}" in done.stdout
-    costs = load_costs(str(path))
-    assert {"shm", "host"} <= set(costs)
-    if importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl_cu13"):
-        assert costs["nixl"].fixed_us > 0 and costs["nixl"].bandwidth_gbps > 0  # nixl competes on measured cost
-    assert all(c.fixed_us > 0 and c.bandwidth_gbps > 0 for c in costs.values()), costs
-    done = run_cli("--calibrate", "-e", "4K", "--output", str(path), timeout=60)
-    assert done.returncode == 2 and "at least 1 MiB" in done.stderr
+    assert timeline_path("out/bench.png") == "out/bench-sharded-timeline.png"
+    assert timeline_path("bench") == "bench-sharded-timeline.png"
+
+
+def test_calibrate_writes_the_table_where_output_says(tmp_path, monkeypatch, capsys):
+    """``--output`` wins over this machine's table (a real calibration, written where the
+    environment says and used by agents, is in tests/transport/hw/test_calibration.py)."""
+    from tensorwire import calibrate as calibrating
+    from tensorwire.cli import main
+    from tensorwire.transport.hw.calibration import load_costs
+    from tensorwire.transport.selector import CostEstimate
+
+    machines, given = tmp_path / "machine.json", tmp_path / "costs.json"
+    monkeypatch.setenv("TENSORWIRE_COSTS_FILE", str(machines))
+    measured = {"shm": CostEstimate(12.0, 5.0), "host": CostEstimate(80.0, 1.5)}
+    monkeypatch.setattr(calibrating, "calibrate", lambda max_bytes, iters: (measured, ["cuda_ipc: not usable here"]))
+    assert main(["bench", "--calibrate", "-e", "1M", "-n", "1", "--output", str(given)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {given}" in out and "skipped cuda_ipc: not usable here" in out
+    assert load_costs(str(given)) == measured and not machines.exists()
+    assert main(["bench", "--calibrate", "-e", "4K", "--output", str(given)]) == 2
+    assert "at least 1 MiB" in capsys.readouterr().err
 
 
 def test_nixl_compare_is_skipped_with_a_note_where_no_one_sided_transport_reads_across_nodes(monkeypatch):
@@ -355,16 +364,3 @@ def test_nixl_compare_counts_rounds_with_wrong_bytes_and_goes_on(monkeypatch):
         assert nixl_compare.get_new(ref, 1, "", 7)[1]
     finally:
         tw.free(ref)
-
-
-def test_sharded_sync_draws_its_per_pair_timeline_next_to_the_plot(tmp_path):
-    from tensorwire.cli import timeline_path
-
-    assert timeline_path("out/bench.png") == "out/bench-sharded-timeline.png"
-    assert timeline_path("bench") == "bench-sharded-timeline.png"
-    png = tmp_path / "bench.png"
-    sizes = ("-b", "4K", "-e", "64K", "-n", "1", "-w", "0")  # the size plot needs two sizes of a scenario
-    done = run_cli("--scenarios", "p2p-processes,sharded-sync", "--transports", "shm", *sizes, "--plot", str(png))
-    assert done.returncode == 0, done.stdout + done.stderr
-    timeline = tmp_path / "bench-sharded-timeline.png"
-    assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and timeline.stat().st_size > 10_000

@@ -142,7 +142,7 @@ print(json.dumps({
     "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     "tensors": len({p.name for layout in trainers for p in layout}),
     "params": sum(math.prod(p.global_shape) for p in {q.name: q for t in trainers for q in t}.values()),
-    "covered": [plan.receiver_nbytes()[i] == n for i, n in enumerate(needed)].count(False) == 0,
+    "covered": plan.receiver_nbytes() == dict(enumerate(needed)),
     "modelled_s": plan.modelled_push_s(gbps), "bound_s": plan.bound_s(gbps),
     "trainer_spread": max(plan.trainer_nbytes()) / (plan.nbytes / len(trainers)),
     "summary": plan.summary(gbps, max_pairs=4),

@@ -95,7 +95,7 @@ def consumers(request):
         return
     import ray
 
-    from tests.integration.conftest import ray_session
+    from tests.helpers.ray_sessions import ray_session
 
     with ray_session():
         tw.init(address="local", num_cpus=2, include_dashboard=False)

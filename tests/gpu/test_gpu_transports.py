@@ -108,7 +108,7 @@ def test_ray_actors_with_fractional_gpus_share_one_gpu():
     """Needs Ray, which the GPU check machine lacks (see docs/performance.md, "What the GPU
     check cannot run"): it then skips saying so."""
     ray = pytest.importorskip("ray", reason="ray is not installed on this machine")
-    from tests.integration.conftest import ray_session
+    from tests.helpers.ray_sessions import ray_session
 
     @tw.remote(num_gpus=0.5)
     class Holder:

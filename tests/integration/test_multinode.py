@@ -14,9 +14,9 @@ import ray
 import torch
 
 import tensorwire as tw
+from tests.helpers.ray_sessions import ray_session
 from tests.helpers.tasks import digest
 from tests.integration.actors import Consumer, Producer, make_state
-from tests.integration.conftest import ray_session
 
 
 @pytest.fixture(scope="module")
