@@ -10,7 +10,8 @@ every method runs before round ``r + 1`` of any (in rotating order), so load on 
 falls on all of them alike. With ``--check``, before every timed round (outside the timing)
 the producer re-patterns its value with a seed of that round and the consumers zero their
 buffers; after it, every consumer's buffers are compared with that round's pattern, so a round
-that delivers nothing, or delivers an earlier round's data, counts as wrong.
+that delivers nothing, or delivers an earlier round's data, counts as wrong. Ray RDT over NIXL
+runs last, on actors of its own (:func:`_ray_nixl`: its actors keep a core busy each).
 """
 
 from __future__ import annotations
@@ -250,12 +251,43 @@ def _p2p(options: Any, progress: Any, notes: list[str]) -> list[Any]:
             plans["Ray RDT (gloo)"] = _Plan(
                 functools.partial(_hand_over, ray_src, ray_dst, "value_rdt"), ray_src, [ray_dst], True
             )
-        if nixl_rdt:  # Ray's NIXL transport reads CPU tensors too (it imports nixl._api)
-            plans["Ray RDT (nixl)"] = _Plan(
-                functools.partial(_hand_over, ray_src, ray_dst, "value_rdt_nixl"), ray_src, [ray_dst], True
+        rows += _measure(
+            "p2p-actors", plans, nbytes, options, reason=_reason(tensors), progress=progress, tensors=tensors
+        )
+    if nixl_rdt:  # Ray's NIXL transport reads CPU tensors too (it imports nixl._api)
+        rows += _ray_nixl(node, options, progress)
+    return rows
+
+
+def _reason(tensors: int) -> str:
+    return "actor -> actor, the consumer copies it in" + (f" ({tensors} tensors)" if tensors > 1 else "")
+
+
+def _ray_nixl(node: Any, options: Any, progress: Any) -> list[Any]:
+    """Ray RDT over NIXL, on a pair of actors of its own, after every other method. Ray makes
+    its NIXL agent with NIXL's default progress thread, which polls without a pause: once the
+    pair has connected, each of the two actors keeps a core busy for as long as it lives
+    (measured on the 2-core VM: after a few such rounds, tensorwire's 64 MiB round between two
+    other actors took 42 ms instead of 22, and every part of it twice as long). Interleaved, it
+    would slow every method measured beside it; the pair goes when its rounds are done."""
+    src, dst = node.remote(), node.remote()
+    rows = []
+    try:
+        for nbytes, tensors in _p2p_cases(options.sizes):
+            _gather([n.set.remote(nbytes, tensors) for n in (src, dst)])
+            plan = _Plan(functools.partial(_hand_over, src, dst, "value_rdt_nixl"), src, [dst], True)
+            rows += _measure(
+                "p2p-actors",
+                {"Ray RDT (nixl)": plan},
+                nbytes,
+                options,
+                reason=_reason(tensors),
+                progress=progress,
+                tensors=tensors,
             )
-        reason = "actor -> actor, the consumer copies it in" + (f" ({tensors} tensors)" if tensors > 1 else "")
-        rows += _measure("p2p-actors", plans, nbytes, options, reason=reason, progress=progress, tensors=tensors)
+    finally:
+        for actor in (src, dst):
+            ray_paths.kill(actor)
     return rows
 
 
