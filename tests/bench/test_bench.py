@@ -364,3 +364,38 @@ def test_nixl_compare_counts_rounds_with_wrong_bytes_and_goes_on(monkeypatch):
         assert nixl_compare.get_new(ref, 1, "", 7)[1]
     finally:
         tw.free(ref)
+
+
+def test_ray_rdt_over_nixl_runs_on_its_own_actors_which_go_after_its_rounds(monkeypatch):
+    """Ray's NIXL agent spins a core in each actor once connected: its rounds run on a pair of
+    their own, after the other methods, and the pair is killed even when a round fails."""
+    from types import SimpleNamespace
+
+    from tensorwire.bench import actors
+    from tensorwire.bench.options import Options
+
+    made, killed, measured = [], [], []
+
+    class Node:
+        def remote(self):
+            actor = SimpleNamespace(set=SimpleNamespace(remote=lambda *args: args))
+            made.append(actor)
+            return actor
+
+    def measure(scenario, plans, nbytes, options, **kwargs):
+        measured.append((scenario, list(plans), nbytes, kwargs["tensors"]))
+        if len(measured) == 2:
+            raise RuntimeError("a round failed")
+        return [f"row {nbytes}"]
+
+    monkeypatch.setattr(actors, "_gather", list)
+    monkeypatch.setattr(actors, "_measure", measure)
+    monkeypatch.setattr(actors.ray_paths, "kill", killed.append)
+    options = Options(sizes=[4096, 64 << 20])
+    with pytest.raises(RuntimeError, match="a round failed"):
+        actors._ray_nixl(Node(), options, progress=None)
+    assert len(made) == 2 and killed == made  # its own pair, gone after the failure
+    assert measured == [("p2p-actors", ["Ray RDT (nixl)"], 4096, 1), ("p2p-actors", ["Ray RDT (nixl)"], 64 << 20, 1)]
+    killed.clear()
+    monkeypatch.setattr(actors, "_measure", lambda *args, **kwargs: ["row"])
+    assert actors._ray_nixl(Node(), Options(sizes=[4096]), progress=None) == ["row"] and len(killed) == 2
