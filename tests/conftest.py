@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
 import sys
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # only loopback traffic on test machines
@@ -37,6 +38,10 @@ def hardware() -> dict[str, object]:
     return {"gpus": gpus, "gpu_error": gpu_error, "rdma": rdma}
 
 
+_RAY_MODULES = pytest.StashKey[frozenset[pathlib.Path]]()  # the modules that share a local Ray instance
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k took out what does not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     hw = hardware()
     none_seen = hw["gpu_error"] or "this machine has none (torch.cuda sees 0 devices)"
@@ -53,10 +58,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if reason and marker in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
     items[:] = _shared_ray_modules_last(items)
-    config.stash[_RAY_MODULES] = {item.path for item in items if "ray_local" in item.fixturenames}
-
-
-_RAY_MODULES = pytest.StashKey[set]()
+    config.stash[_RAY_MODULES] = frozenset(item.path for item in items if "ray_local" in item.fixturenames)
 
 
 def _shared_ray_modules_last(items: list[pytest.Item]) -> list[pytest.Item]:
@@ -78,7 +80,7 @@ def _shared_ray_modules_last(items: list[pytest.Item]) -> list[pytest.Item]:
 def shared_ray_only_where_asked(request: pytest.FixtureRequest):
     """Before a module that does not share the local Ray instance: stop it (its processes would
     only load the machine, and the module may start its own)."""
-    if request.path not in request.config.stash.get(_RAY_MODULES, set()):
+    if request.path not in request.config.stash.get(_RAY_MODULES, frozenset()):
         from tests.helpers.ray_sessions import stop_shared_ray
 
         stop_shared_ray()

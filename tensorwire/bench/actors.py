@@ -270,9 +270,12 @@ def _ray_nixl(node: Any, options: Any, progress: Any) -> list[Any]:
     (measured on the 2-core VM: after a few such rounds, tensorwire's 64 MiB round between two
     other actors took 42 ms instead of 22, and every part of it twice as long). Interleaved, it
     would slow every method measured beside it; the pair goes when its rounds are done."""
-    src, dst = node.remote(), node.remote()
+    pair: list[Any] = []
     rows = []
     try:
+        for _ in range(2):
+            pair.append(node.remote())  # listed one by one: one made before a failure goes too
+        src, dst = pair
         for nbytes, tensors in _p2p_cases(options.sizes):
             _gather([n.set.remote(nbytes, tensors) for n in (src, dst)])
             plan = _Plan(functools.partial(_hand_over, src, dst, "value_rdt_nixl"), src, [dst], True)
@@ -281,12 +284,12 @@ def _ray_nixl(node: Any, options: Any, progress: Any) -> list[Any]:
                 {"Ray RDT (nixl)": plan},
                 nbytes,
                 options,
-                reason=_reason(tensors),
+                reason=_reason(tensors) + "; measured after the others, on actors of its own",
                 progress=progress,
                 tensors=tensors,
             )
     finally:
-        for actor in (src, dst):
+        for actor in pair:
             ray_paths.kill(actor)
     return rows
 

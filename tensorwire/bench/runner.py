@@ -95,7 +95,8 @@ def _fits(rows: list[Row]) -> list[Fit]:
 
 
 def _steps(options: Options) -> int:
-    """Progress steps of the selected scenarios (forced transports are added once known)."""
+    """Progress steps of the selected scenarios (forced transports and sharded-sync's methods
+    are added once known)."""
     per_size = {"p2p-processes": 3, "p2p-actors": 6, "one-to-n": 3}  # memcpy + 2 autos; 6 methods; 3 methods
     steps = sum(per_size.get(s, 0) for s in options.scenarios) * len(options.sizes)
     if "p2p-actors" in options.scenarios and any(n >= 1 << 20 for n in options.sizes):

@@ -352,6 +352,7 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     try:
         bench = Bench(options.max_bytes)
         try:
+            progress.total += len(bench.methods())  # a step per method, added once known
             plan_bytes = bench.sync.plan.nbytes
             samples = measure(bench, max(1, min(options.iterations, 5)))
             for method, times in samples.items():

@@ -165,8 +165,8 @@ def test_bench_smoke_every_scenario_tiny_sizes_checked_plotted_with_progress(tmp
     args = ("-b", "4K", "-e", "64K", "-n", "2", "-w", "0", "--check", "--peers", "2", "--json", str(out))
     done = run_cli(*args, "--plot", str(png), "--progress")
     assert done.returncode == 0, done.stdout + done.stderr
-    _check_plots_and_progress(done, png)
     doc = json.loads(out.read_text())
+    _check_plots_and_progress(done, png)
     assert validate(doc) == []
     rows = doc["rows"]
     nixl = bool(importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl_cu13"))
@@ -235,17 +235,14 @@ def _check_nixl_compare_rows(rows: list[dict]) -> None:
     [
         (["--scenarios", "p2p-processes,warp-drive"], "unknown scenario"),
         (["-b", "1M", "-e", "4K"], "min <= max"),
-        (["--transports", "shmm"], "shm"),  # did you mean
+        (["--transports", "shmm"], "did you mean 'shm'"),
     ],
 )
 def test_bench_usage_errors_exit_2(args, says, capsys):
     from tensorwire.cli import main
 
-    try:
-        code = main(["bench", *args])
-    except SystemExit as exit_:  # argparse's own refusals
-        code = exit_.code
-    assert code == 2 and says in capsys.readouterr().err
+    assert main(["bench", *args]) == 2
+    assert says in capsys.readouterr().err
 
 
 def test_a_transport_that_needs_two_gpus_is_received_on_the_second_or_skipped_with_why():
@@ -265,14 +262,17 @@ def test_a_transport_that_needs_two_gpus_is_received_on_the_second_or_skipped_wi
 
 def _check_plots_and_progress(done: subprocess.CompletedProcess, png: pathlib.Path) -> None:
     """The size plot, the sharded sync's per-pair timeline beside it, and a progress bar on stderr
-    that steps through every measurement once (scenarios add their steps as they learn them)."""
+    that steps through every measurement once and never past its total (scenarios add their
+    steps as they learn them)."""
     timeline = png.with_name("bench-sharded-timeline.png")
     for picture in (png, timeline):
         assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
     drawn = [(int(a), int(b)) for a, b in re.findall(r"bench: +\d+%\|[^|]*\| (\d+)/(\d+) \[", done.stderr)]
+    assert drawn, done.stderr[-800:]
     counts = [c for i, (c, _) in enumerate(drawn) if i == 0 or c != drawn[i - 1][0]]  # redraws: out
     assert counts == list(range(drawn[-1][1] + 1)), done.stderr[-800:]  # 0, 1, 2, ... every step once
-    assert drawn[-1][0] == drawn[-1][1] > 20  # finished, every scenario's sizes and methods counted
+    assert drawn[-1][0] == drawn[-1][1] > 20  # finished: every scenario's steps counted in the total
+    assert not re.search(r"bench: +\d+step \[", done.stderr), done.stderr[-800:]  # what tqdm draws past it
     assert "bench:" not in done.stdout  # the bar stays on stderr
 
 

@@ -14,13 +14,15 @@ def gpu_ray():
     import ray
 
     import tensorwire as tw
+    from tests.helpers.ray_sessions import ray_session
 
-    tw.register_ray_transport()
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+    with ray_session():
+        tw.register_ray_transport()
+        ray.init(num_cpus=4, num_gpus=1, include_dashboard=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
 
 
 def test_cuda_tensors_actor_to_actor_and_to_the_driver(gpu_ray):
