@@ -4,6 +4,7 @@ the modules that share a local Ray instance."""
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import pathlib
 import sys
@@ -57,22 +58,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, reason in reasons.items():
             if reason and marker in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
-    items[:] = _shared_ray_modules_last(items)
-    config.stash[_RAY_MODULES] = frozenset(item.path for item in items if "ray_local" in item.fixturenames)
+    ray_modules = frozenset(item.path for item in items if "ray_local" in item.fixturenames)
+    config.stash[_RAY_MODULES] = ray_modules
+    items[:] = _shared_ray_modules_last(items, ray_modules)
 
 
-def _shared_ray_modules_last(items: list[pytest.Item]) -> list[pytest.Item]:
+def _shared_ray_modules_last(items: list[pytest.Item], ray_modules: frozenset[pathlib.Path]) -> list[pytest.Item]:
     """In each directory, the modules that share a local Ray instance (``ray_local``) after the
     others, so that the instance starts once per directory (tests/helpers/ray_sessions.py)."""
-    ray_modules = {item.path for item in items if "ray_local" in item.fixturenames}
     ordered: list[pytest.Item] = []
-    run: list[pytest.Item] = []  # consecutive items of one directory
-    for item in [*items, None]:
-        if run and (item is None or item.path.parent != run[0].path.parent):
-            ordered += [i for i in run if i.path not in ray_modules] + [i for i in run if i.path in ray_modules]
-            run = []
-        if item is not None:
-            run.append(item)
+    for _directory, group in itertools.groupby(items, key=lambda item: item.path.parent):
+        run = list(group)  # consecutive items of one directory
+        ordered += [i for i in run if i.path not in ray_modules] + [i for i in run if i.path in ray_modules]
     return ordered
 
 
