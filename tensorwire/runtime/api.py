@@ -138,6 +138,8 @@ def get(
         timeout_s = validate_timeout(timeout_s)
     if device is not None:
         device = topology.checked_device(device)  # before any transfer starts
+    if isinstance(ref, Ref):  # the common case, one call fewer
+        return reading.get_ref(ref, device=device, out=out, transport=transport, view=view, timeout_s=timeout_s)
     if isinstance(ref, (list, tuple)):
         outs = list(out) if out is not None else [None] * len(ref)
         if len(outs) != len(ref):

@@ -40,7 +40,7 @@ class Remembered(NamedTuple):
     keys: tuple[Any, ...] | None  # a dict's keys, in order
     buffers: tuple[weakref.ref, ...]  # ``out``'s tensors in its own order (not kept alive)
     facts: tuple[tuple[int, torch.Size, torch.dtype], ...]  # each buffer's address, shape and dtype then
-    order: tuple[int, ...]  # for each tensor of the value, its buffer's position in ``buffers``
+    order: tuple[int, ...] | None  # for each tensor of the value, its buffer's position in ``buffers`` (None: the same)
     make: Callable[[list[torch.Tensor]], Any]  # the value from its tensors (:func:`values.rebuilder`)
     repeat: Repeat
 
@@ -67,7 +67,10 @@ def worth_keeping(ref: Any, checked: dict[int, torch.Tensor], count: int) -> boo
         return False
     known = ref.remembered
     first = checked[0]
-    same = known.buffers[known.order[0]]() is first if isinstance(known, Remembered) else known == id(first)
+    if isinstance(known, Remembered):
+        same = known.buffers[0 if known.order is None else known.order[0]]() is first
+    else:
+        same = known == id(first)
     if not same:
         ref.remember(id(first))
     return same
@@ -97,6 +100,7 @@ def remembered(  # noqa: PLR0917 - what the ordinary fetch had in hand
     position = {id(leaf): i for i, leaf in enumerate(leaves)}
     if any(id(checked[i]) not in position for i in range(count)):
         return None  # a buffer was converted (a numpy array): not the caller's object
+    order = tuple(position[id(checked[i])] for i in range(count))
     return Remembered(
         agent,
         agent.config,
@@ -105,7 +109,7 @@ def remembered(  # noqa: PLR0917 - what the ordinary fetch had in hand
         keys,
         tuple(weakref.ref(leaf) for leaf in leaves),
         tuple((leaf.data_ptr(), leaf.shape, leaf.dtype) for leaf in leaves),
-        tuple(position[id(checked[i])] for i in range(count)),
+        None if order == tuple(range(len(leaves))) else order,
         values.rebuilder(skeleton),
         repeat,
     )
@@ -125,12 +129,12 @@ def again(
         return None
     if known.options != options or known.agent is not agent or known.config is not agent.config:
         return None
-    leaves = _leaves(out, known.kind, known.keys)
+    leaves = (out,) if known.kind is torch.Tensor else _leaves(out, known.kind, known.keys)  # one tensor: no call
     if leaves is None or len(leaves) != len(known.buffers):
         return None
     for leaf, buffer, fact in zip(leaves, known.buffers, known.facts, strict=True):
         if leaf is not buffer() or (leaf.data_ptr(), leaf.shape, leaf.dtype) != fact or not leaf.is_contiguous():
             return None
-    dst = [leaves[i] for i in known.order]
+    dst = list(leaves) if known.order is None else [leaves[i] for i in known.order]
     record = known.repeat(dst, deadline)
     return None if record is None else (record.transport, known.make(dst))

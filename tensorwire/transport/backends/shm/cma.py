@@ -85,6 +85,15 @@ def _readv() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     return _libc.process_vm_readv
 
 
+def _unchecked_readv() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """``process_vm_readv`` without argument types, for calls whose arguments are all ctypes
+    objects made once (:func:`prepared_read`): checking and converting six arguments costs
+    about 0.8 us a call, a third of a 4 KiB read."""
+    function = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    function.restype = ctypes.c_ssize_t
+    return function
+
+
 def _probe() -> str | None:
     """Why this process cannot read another's memory, or None. Reads our own memory (the
     syscall exists, no seccomp filter) and checks Yama's policy."""
@@ -282,7 +291,10 @@ def prepared_read(pid: int, info: DirectRead, local: Sequence[tuple[int, int]]) 
     local_iov = (_Iovec * count)(*[_Iovec(d, n) for d, _, n in pieces], _Iovec(ctypes.addressof(word), 8))
     remote_iov = (_Iovec * count)(*[_Iovec(r, n) for _, r, n in pieces], _Iovec(info.live_address, 8))
     slow_s = total / _SLOW_BYTES_PER_S
-    readv = _readv()
+    readv = _unchecked_readv()
+    iovecs = ctypes.c_ulong(count)
+    arguments = (ctypes.c_int(pid), local_iov, iovecs, remote_iov, iovecs, ctypes.c_ulong(0))
+    expected, nonce = total + 8, info.nonce
     busy = threading.Lock()  # one read at a time owns the word
 
     def read(deadline: float) -> bool:
@@ -290,7 +302,7 @@ def prepared_read(pid: int, info: DirectRead, local: Sequence[tuple[int, int]]) 
             return False
         try:
             word.value = 0
-            return readv(pid, local_iov, count, remote_iov, count, 0) == total + 8 and word.value == info.nonce
+            return readv(*arguments) == expected and word.value == nonce
         finally:
             busy.release()
 
