@@ -54,11 +54,14 @@ def test_repeated_fetches_post_prepared_reads_one_plan_per_destination(pair):
     assert got["stats"]["plans_made"] - before["plans_made"] == 2, got["stats"]
     assert got["stats"]["plans"] - before["plans"] == 2, got["stats"]
     assert got["stats"]["tags_after"] == before.get("tags_after", 0), got["stats"]  # data and tag in one READ
+    # from the third fetch into the same buffer the repeat posts the kept plan itself: a 3-5, b 3
+    assert got["stats"]["plans_repeated"] - before.get("plans_repeated", 0) == 4, got["stats"]
     consumer.call(f"{P}:drop_buffer", "a")  # its memory freed: its plan goes (an address may be reused)
     assert wait_until(lambda: consumer.call(f"{P}:stats")["plans"] - before["plans"] == 1, timeout_s=30)
     again = consumer.call(f"{P}:fetch_into", ref, ["a", "a", "a"])  # a new buffer named "a": a new plan
     assert again["digests"] == [expected] * 3
     assert again["stats"]["plans_made"] - before["plans_made"] == 3, again["stats"]
+    assert again["stats"]["plans_repeated"] - before.get("plans_repeated", 0) == 5, again["stats"]
 
 
 def test_tag_is_read_with_the_data_within_the_grace_and_after_it_otherwise(pair):
@@ -79,19 +82,20 @@ def test_tag_is_read_with_the_data_within_the_grace_and_after_it_otherwise(pair)
     assert got["stats"]["tags_after"] - start.get("tags_after", 0) == 6, got["stats"]
 
 
-@pytest.mark.parametrize("kept", [True, False], ids=["kept-plan", "first-fetch"])
-def test_a_fetch_after_free_is_refused_while_the_memory_lingers(pair, kept):
+@pytest.mark.parametrize("before", [2, 3, 0], ids=["kept-plan", "repeated", "first-fetch"])
+def test_a_fetch_after_free_is_refused_while_the_memory_lingers(pair, before):
+    """Refused whether the fetch is the first into its buffer, or a repeat into one with a kept
+    plan (its repeater made by that fetch, or already posting it)."""
     producer, consumer = pair
     # larger than a slab slot (read where it lies); its handle promises a 600 s grace
-    ref = producer.call(f"{P}:put", f"freed-{kept}", 64 << 10, 5, 600.0)
-    consumer.call(f"{P}:set_prepared", kept)
-    if kept:  # this buffer has a kept plan when the object is freed
-        assert consumer.call(f"{P}:fetch_into", ref, ["f", "f"])["digests"][0] == producer.call(
-            f"{P}:digest_of", f"freed-{kept}"
-        )
-    freed = producer.call(f"{P}:free", f"freed-{kept}")
+    ref = producer.call(f"{P}:put", f"freed-{before}", 64 << 10, 5, 600.0)
+    consumer.call(f"{P}:set_prepared", bool(before))
+    if before:  # this buffer has a kept plan when the object is freed
+        got = consumer.call(f"{P}:fetch_into", ref, [f"f{before}"] * before)["digests"]
+        assert got == [producer.call(f"{P}:digest_of", f"freed-{before}")] * before
+    freed = producer.call(f"{P}:free", f"freed-{before}")
     assert freed["alive"] and freed["stats"]["lingering"] >= 1, freed  # kept for the grace ...
-    assert consumer.call(f"{P}:outcome", ref, "f" if kept else "n") == "ObjectFreedError"  # ... never read as live
+    assert consumer.call(f"{P}:outcome", ref, f"f{before}") == "ObjectFreedError"  # ... never read as live
     producer.call(f"{P}:end_graces")
     assert wait_until(lambda: producer.call(f"{P}:freed_memory_gone"), timeout_s=30)
 

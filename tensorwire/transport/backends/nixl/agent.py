@@ -137,6 +137,7 @@ class NixlAgent:
                 "partial_loads",
                 "leaked_handles",
                 "plans_made",  # consumer: (object, destination) pairs whose READs were prepared
+                "plans_repeated",  # consumer: repeated fetches that posted a kept plan through the repeater
                 "tags_after",  # consumer: fetches that read the tag again after the data
                 "packed_exports",  # producer: small host objects copied into a slab slot with their tag
                 "packed_fetches",  # consumer: such objects read in one descriptor into a landing slot

@@ -17,7 +17,7 @@ import importlib.util
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -71,6 +71,11 @@ class _Packed(NamedTuple):
 
 
 _SPIN = 200  # polls of a READ without a pause (a small one ends in microseconds); then yield, later sleep 0.1 ms
+
+
+def _plan_key(request: FetchRequest, dst: Sequence[Any]) -> tuple:
+    """The kept plan of ``request``'s object into ``dst``: its handle's HMAC names the object."""
+    return ((request.handle or b"")[-16:], request.token, *(t.data_ptr() for t in dst))
 
 
 class NixlTransport(Transport):
@@ -213,10 +218,31 @@ class NixlTransport(Transport):
         """Consumer: one READ of every tensor and of the liveness slot, polled to completion; the
         slot once more after the data if that took longer than half the producer's grace."""
         agent = process_agent()
-        key = ((request.handle or b"")[-16:], request.token, *(t.data_ptr() for t in dst))  # its HMAC names it
+        key = _plan_key(request, dst)
         plan = agent.plans.take(key)  # this object into these buffers before: its READs prepared
         if plan is None:
             plan = self._plan(agent, request, dst, key)
+        self._run_plan(agent, plan, request, dst)
+
+    def repeater(self, request: FetchRequest, dst: Sequence[Any]) -> Callable[[float], bool] | None:
+        """Consumer: the same fetch again with the agent and the plan's key worked out once; it
+        posts the kept plan's READs (False when there is none, e.g. not yet kept or retired:
+        ``fetch`` then makes one)."""
+        agent, key = process_agent(), _plan_key(request, dst)
+
+        def repeat(deadline: float) -> bool:
+            plan = agent.plans.take(key)
+            if plan is None:
+                return False
+            self._run_plan(agent, plan, request._replace(deadline=deadline), dst)
+            agent.stats["plans_repeated"] += 1
+            return True
+
+        return repeat
+
+    def _run_plan(self, agent: NixlAgent, plan: Plan, request: FetchRequest, dst: Sequence[Any]) -> None:
+        """Run ``plan`` (taken, busy) for ``request``; given back to the kept ones after, or
+        retired if it failed."""
         try:
             self._run(agent, plan, request, dst)
         except BaseException as e:  # a READ still running could overwrite a fallback's bytes: no fallback then
