@@ -80,6 +80,20 @@ def outcome(ref: tw.Ref, name: str) -> str:
         return type(e).__name__
 
 
+def repeat_into_a_buffer_then_drop_it(ref: tw.Ref) -> dict:
+    """Consumer: keep ``ref``, fetch it three times into a new buffer (the third a repeat,
+    posted by the repeater), then drop the buffer (the reference stays): digests, and the
+    counters before and after the fetches."""
+    _kept["held"] = ref
+    out = torch.empty(ref.nbytes, dtype=torch.uint8)
+    before, digests = nixl_agent.stats(), []
+    for _ in range(3):
+        out.zero_()
+        assert tw.get(ref, out=out, transport="nixl") is out
+        digests.append(digest(out))
+    return {"digests": digests, "before": before, "after": nixl_agent.stats()}
+
+
 def drop_buffer(name: str) -> None:
     del _kept[f"out/{name}"]
 

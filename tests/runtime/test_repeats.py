@@ -103,6 +103,34 @@ def test_a_tensor_and_a_dict_of_tensors_are_repeated_and_a_dict_in_another_order
     assert got["b"] is b and torch.equal(b, state["b"]) and _last() == ("null", False)
 
 
+def test_out_in_another_order_or_with_a_buffer_more_is_repeated_each_tensor_into_its_own(over_null):
+    state = {"a": torch.arange(3.0), "b": torch.arange(5.0)}
+    ref = tw.put(state)
+    a, b, extra = torch.zeros(3), torch.zeros(5), torch.full((2,), -1.0)
+    for out in ({"b": b, "a": a}, {"a": a, "extra": extra, "b": b}):
+        tw.get(ref, out=out)
+        tw.get(ref, out=out)  # the second fetch into these buffers: kept
+        for step in (1, 2):
+            state["a"].fill_(step)
+            state["b"].fill_(10 * step)
+            got = tw.get(ref, out=out)
+            assert _last() == ("null", True) and set(got) == {"a", "b"}
+            assert got["a"] is a and got["b"] is b and torch.equal(a, state["a"]) and torch.equal(b, state["b"])
+    assert torch.equal(extra, torch.full((2,), -1.0))  # not the value's: untouched
+
+
+def test_a_repeat_records_the_first_fetch_with_its_own_duration(over_null):
+    ref, out = _kept_to_repeat(torch.arange(16.0))
+    first = tw.stats()["recent"][-1]
+    tw.get(ref, out=out)
+    again = tw.stats()["recent"][-1]
+    assert again.repeated and not first.repeated
+    same = ("transport", "reason", "nbytes", "src", "dst")
+    assert [getattr(again, f) for f in same] == [getattr(first, f) for f in same]
+    assert again.nbytes == 64 and again.duration_s > 0
+    assert (again.zero_copy, again.failed_attempts, again.placed_s) == (False, 0, 0.0)
+
+
 def test_other_buffers_or_options_go_the_ordinary_way_then_are_repeated_in_turn(over_null):
     value = torch.arange(8.0)
     ref = tw.put([value])

@@ -43,7 +43,7 @@ class Repeat:
         notify: Where records go (the agent's).
     """
 
-    __slots__ = ("_fields", "_notify", "_repeater", "_request", "_transport", "_version")
+    __slots__ = ("_first", "_notify", "_repeater", "_request", "_transport", "_version")
 
     def __init__(
         self,
@@ -55,8 +55,8 @@ class Repeat:
     ) -> None:
         self._transport = transport
         self._request = request
-        # each repeat's record: the first fetch's, with its own duration, made positionally (cheaper)
-        self._fields = (record.transport, record.reason, record.nbytes, record.src, record.dst)
+        # each repeat's record: the first fetch's, with its own duration (made positionally: cheaper)
+        self._first = (record.transport, record.reason, record.nbytes, record.src, record.dst)
         self._notify = notify
         self._repeater: Any = _NOT_MADE  # the transport's ``repeater``, made by the first repeat
         self._version = registry.version()
@@ -79,8 +79,10 @@ class Repeat:
                 raise
             except TensorwireError:
                 return None
-        transport, reason, nbytes, src, where = self._fields
-        done = TransferRecord(transport, reason, nbytes, time.perf_counter() - start, src, where, False, 0, 0.0, True)
+        transport, reason, nbytes, src, where = self._first
+        seconds = time.perf_counter() - start
+        # zero_copy False, failed_attempts 0, placed_s 0.0, repeated True
+        done = TransferRecord(transport, reason, nbytes, seconds, src, where, False, 0, 0.0, True)
         self._notify(done)
         return done
 

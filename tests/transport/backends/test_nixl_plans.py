@@ -64,6 +64,18 @@ def test_repeated_fetches_post_prepared_reads_one_plan_per_destination(pair):
     assert again["stats"]["plans_repeated"] - before.get("plans_repeated", 0) == 5, again["stats"]
 
 
+def test_a_repeat_holds_its_buffer_weakly_so_its_plan_goes_with_it(pair):
+    """The reference kept, its buffer dropped: the plan the repeats posted (and the
+    registrations it holds) goes; a repeater holding the buffer would keep both alive."""
+    producer, consumer = pair
+    ref = producer.call(f"{P}:put", "weak", 64 << 10, 6, 600.0)
+    got = consumer.call(f"{P}:repeat_into_a_buffer_then_drop_it", ref)
+    assert got["digests"] == [producer.call(f"{P}:digest_of", "weak")] * 3
+    before, after = got["before"] or {"plans": 0, "plans_repeated": 0}, got["after"]
+    assert after["plans"] - before["plans"] == 1 and after["plans_repeated"] - before["plans_repeated"] == 1, got
+    assert wait_until(lambda: consumer.call(f"{P}:stats")["plans"] == before["plans"], timeout_s=30)
+
+
 def test_tag_is_read_with_the_data_within_the_grace_and_after_it_otherwise(pair):
     producer, consumer = pair
     small = producer.call(f"{P}:put", "small", 4096, 2, 30.0)  # a grace no trip here outlasts
@@ -90,12 +102,15 @@ def test_a_fetch_after_free_is_refused_while_the_memory_lingers(pair, before):
     # larger than a slab slot (read where it lies); its handle promises a 600 s grace
     ref = producer.call(f"{P}:put", f"freed-{before}", 64 << 10, 5, 600.0)
     consumer.call(f"{P}:set_prepared", bool(before))
+    start = consumer.call(f"{P}:stats") or {"plans": 0, "plans_repeated": 0}
     if before:  # this buffer has a kept plan when the object is freed
-        got = consumer.call(f"{P}:fetch_into", ref, [f"f{before}"] * before)["digests"]
-        assert got == [producer.call(f"{P}:digest_of", f"freed-{before}")] * before
+        got = consumer.call(f"{P}:fetch_into", ref, [f"f{before}"] * before)
+        assert got["digests"] == [producer.call(f"{P}:digest_of", f"freed-{before}")] * before
+        assert got["stats"]["plans_repeated"] - start["plans_repeated"] == before - 2, got["stats"]
     freed = producer.call(f"{P}:free", f"freed-{before}")
     assert freed["alive"] and freed["stats"]["lingering"] >= 1, freed  # kept for the grace ...
     assert consumer.call(f"{P}:outcome", ref, f"f{before}") == "ObjectFreedError"  # ... never read as live
+    assert consumer.call(f"{P}:stats")["plans"] == start["plans"]  # a kept plan was retired
     producer.call(f"{P}:end_graces")
     assert wait_until(lambda: producer.call(f"{P}:freed_memory_gone"), timeout_s=30)
 

@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import secrets
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -29,7 +30,7 @@ from tensorwire.errors import (
     TransportError,
     TransportUnavailableError,
 )
-from tensorwire.transport.backends.nixl import doctor
+from tensorwire.transport.backends.nixl import doctor, plans
 from tensorwire.transport.backends.nixl.agent import (
     SLOTS,
     NixlAgent,
@@ -225,16 +226,24 @@ class NixlTransport(Transport):
         self._run_plan(agent, plan, request, dst)
 
     def repeater(self, request: FetchRequest, dst: Sequence[Any]) -> Callable[[float], bool] | None:
-        """Consumer: the same fetch again with the agent and the plan's key worked out once; it
-        posts the kept plan's READs (False when there is none, e.g. not yet kept or retired:
-        ``fetch`` then makes one)."""
+        """Consumer: the same fetch again, blocking until its READs are done or the deadline,
+        with the agent and the plan's key worked out once: it posts the kept plan (False when
+        there is none: not yet kept, retired, or busy in another thread; ``fetch`` then makes
+        one). A freed object raises as ``fetch`` does. It holds the buffers weakly (a plan whose
+        buffers went is dropped, their registrations with it). None without prepared READs."""
+        if not plans.PREPARED:
+            return None
         agent, key = process_agent(), _plan_key(request, dst)
+        buffers = tuple(weakref.ref(t) for t in dst)
 
         def repeat(deadline: float) -> bool:
+            live = [b() for b in buffers]
+            if any(t is None for t in live):
+                return False
             plan = agent.plans.take(key)
             if plan is None:
                 return False
-            self._run_plan(agent, plan, request._replace(deadline=deadline), dst)
+            self._run_plan(agent, plan, request._replace(deadline=deadline), live)
             agent.stats["plans_repeated"] += 1
             return True
 

@@ -85,13 +85,20 @@ def _readv() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     return _libc.process_vm_readv
 
 
+_unchecked: list[ctypes._CFuncPtr] = []  # type: ignore[name-defined]
+
+
 def _unchecked_readv() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    """``process_vm_readv`` without argument types, for calls whose arguments are all ctypes
-    objects made once (:func:`prepared_read`): checking and converting six arguments costs
-    about 0.8 us a call, a third of a 4 KiB read."""
-    function = ctypes.CDLL(None, use_errno=True).process_vm_readv
-    function.restype = ctypes.c_ssize_t
-    return function
+    """``process_vm_readv`` without argument types (its own handle of the C library), for calls
+    whose arguments are all ctypes objects made once (:func:`prepared_read`): checking and
+    converting six arguments costs about 0.8 us a call, a third of a 4 KiB read. A plain
+    Python int passed to it would go as a 32-bit C int."""
+    with _lock:
+        if not _unchecked:
+            function = ctypes.CDLL(None, use_errno=True).process_vm_readv
+            function.restype = ctypes.c_ssize_t
+            _unchecked.append(function)
+        return _unchecked[0]
 
 
 def _probe() -> str | None:
@@ -293,8 +300,8 @@ def prepared_read(pid: int, info: DirectRead, local: Sequence[tuple[int, int]]) 
     slow_s = total / _SLOW_BYTES_PER_S
     readv = _unchecked_readv()
     iovecs = ctypes.c_ulong(count)
-    arguments = (ctypes.c_int(pid), local_iov, iovecs, remote_iov, iovecs, ctypes.c_ulong(0))
-    expected, nonce = total + 8, info.nonce
+    arguments = (ctypes.c_int(pid), local_iov, iovecs, remote_iov, iovecs, ctypes.c_ulong(0))  # all ctypes objects
+    expected_nbytes, nonce = total + 8, info.nonce
     busy = threading.Lock()  # one read at a time owns the word
 
     def read(deadline: float) -> bool:
@@ -302,7 +309,7 @@ def prepared_read(pid: int, info: DirectRead, local: Sequence[tuple[int, int]]) 
             return False
         try:
             word.value = 0
-            return readv(*arguments) == expected and word.value == nonce
+            return readv(*arguments) == expected_nbytes and word.value == nonce
         finally:
             busy.release()
 
