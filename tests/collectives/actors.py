@@ -116,6 +116,32 @@ def fail_at(role: str, k: int) -> None:
     tw.collective.set_fault_point(hook)
 
 
+def fail_once_a_receiver_wrote(k: int, flag: str) -> None:
+    """In a trainer: raise once it has handled bucket level ``k`` of a push and a receiver has
+    taken bucket level 0 in (the file ``flag`` exists: :func:`mark_written`; waited for at most
+    60 s): a failure after the receivers began to write, however fast the machine is."""
+
+    def hook(at_role: str, at_k: int) -> None:
+        if (at_role, at_k) == ("trainer", k):
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise RuntimeError(f"injected failure at trainer bucket {k}")
+
+    tw.collective.set_fault_point(hook)
+
+
+def mark_written(flag: str) -> None:
+    """In a receiver: make the file ``flag`` once it has taken bucket level 0 of a push in."""
+
+    def hook(at_role: str, at_k: int) -> None:
+        if (at_role, at_k) == ("receiver", 0):
+            with open(flag, "a"):
+                pass
+
+    tw.collective.set_fault_point(hook)
+
+
 def note_commit(actor: Holder, version: int) -> None:
     """An ``on_commit`` function: ``f(actor, version)``."""
     actor.commits.append(("function", version))
@@ -146,6 +172,12 @@ class Holder:
 
     def fail_at(self, role: str, k: int) -> None:
         fail_at(role, k)
+
+    def fail_once_a_receiver_wrote(self, k: int, flag: str) -> None:
+        fail_once_a_receiver_wrote(k, flag)
+
+    def mark_written(self, flag: str) -> None:
+        mark_written(flag)
 
     def note_commit(self, version: int) -> None:
         """An ``on_commit`` method."""

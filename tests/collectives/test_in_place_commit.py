@@ -85,14 +85,16 @@ def test_in_place_a_receiver_failing_before_its_vote_leaves_all_at_the_version_t
         sync.close()
 
 
-def test_in_place_a_trainer_failing_after_the_vote_is_replaced_too(ray_local):
+def test_in_place_a_trainer_failing_after_the_vote_is_replaced_too(ray_local, tmp_path):
     trainers = [Holder.remote(16, NBYTES, seed=1) for _ in range(2)]
     receivers = [Holder.remote(16, NBYTES, seed=None) for _ in range(2)]
     sync = tw.WeightSync(trainers, receivers, source="weights", bucket_bytes=1 << 20, aside="none")
     try:
         assert sync.push().ok
         ray.get([t.step.remote(6) for t in trainers])
-        ray.get(trainers[0].fail_at.remote("trainer", 1))  # raises after the receivers began to write
+        flag = str(tmp_path / "a receiver wrote")  # (offering bucket 1 can come before the vote)
+        ray.get([r.mark_written.remote(flag) for r in receivers])
+        ray.get(trainers[0].fail_once_a_receiver_wrote.remote(1, flag))  # raises after the receivers began to write
         report = sync.push()
         assert report.ok and "injected failure" in report.replaced["trainer 0"]
         assert digests(receivers) == [ray.get(trainers[1].digest.remote())] * 2 and sync.versions() == [2, 2]
