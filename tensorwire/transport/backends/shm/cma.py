@@ -85,20 +85,21 @@ def _readv() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     return _libc.process_vm_readv
 
 
-_unchecked: list[ctypes._CFuncPtr] = []  # type: ignore[name-defined]
+_unchecked: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 
 
 def _unchecked_readv() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    """``process_vm_readv`` without argument types (its own handle of the C library), for calls
-    whose arguments are all ctypes objects made once (:func:`prepared_read`): checking and
-    converting six arguments costs about 0.8 us a call, a third of a 4 KiB read. A plain
-    Python int passed to it would go as a 32-bit C int."""
-    with _lock:
-        if not _unchecked:
-            function = ctypes.CDLL(None, use_errno=True).process_vm_readv
-            function.restype = ctypes.c_ssize_t
-            _unchecked.append(function)
-        return _unchecked[0]
+    """``process_vm_readv`` without argument types, for calls whose arguments are all ctypes
+    objects made once (:func:`prepared_read`): checking and converting six arguments costs
+    about 0.8 us a call, a third of a 4 KiB read. A plain Python int passed to it would go as a
+    32-bit C int."""
+    global _unchecked
+    if _unchecked is None:
+        _readv()  # loads the C library
+        function = _libc["process_vm_readv"]  # indexing makes a function object of its own: no argtypes
+        function.restype = ctypes.c_ssize_t
+        _unchecked = function
+    return _unchecked
 
 
 def _probe() -> str | None:
