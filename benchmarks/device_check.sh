@@ -34,13 +34,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     echo "- ucxx: $("$py" -c 'import ucxx; print(ucxx.__version__)' 2>&1 | tail -1)"
     echo "- nixl: $("$py" -c 'import importlib.metadata as m; print(next((d + " " + m.version(d) for d in ("nixl", "nixl-cu12", "nixl-cu13") if list(m.distributions(name=d))), "not installed"))' 2>&1 | tail -1) (tests/gpu/test_nixl_gpu.py needs it)"
     echo
-    echo "## Tests: tests/gpu (all marked gpu / multi_gpu), tests/collectives/test_standalone.py, tests/transport/backends/test_gpu_logic.py"
+    echo "## Tests: tests/gpu (all marked gpu / multi_gpu), tests/collectives/weight_sync/test_standalone.py, tests/transport/backends/test_gpu_logic.py"
     echo
 } > "$report"
 
 start=$(date +%s)
 timeout 240 "$py" -m pytest -o addopts="" -p no:cacheprovider -ra -v --timeout 120 \
-    tests/gpu tests/collectives/test_standalone.py tests/transport/backends/test_gpu_logic.py tests/runtime/test_device_check.py \
+    tests/gpu tests/collectives/weight_sync/test_standalone.py tests/transport/backends/test_gpu_logic.py tests/runtime/refs/test_device_check.py \
     > "$out/pytest.log" 2>&1
 status=$?
 {

@@ -31,7 +31,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def producers():
-    from tensorwire.runtime.ray_env import agent as runtime_agent
+    from tensorwire.runtime.agent import agent as runtime_agent
 
     node = runtime_agent().peer.node_id
     with spawn(ops.dispatch, {"same": {}, "other": {"TENSORWIRE_NODE_ID": f"{node}/regression"}}) as peers:

@@ -19,6 +19,7 @@ from tensorwire.errors import (
     PeerLostError,
     PermissionDeniedError,
     TensorwireError,
+    TrainerLost,
     TransferAbortedError,
     TransferTimeoutError,
     TransportError,
@@ -29,10 +30,10 @@ from tensorwire.errors import (
 if TYPE_CHECKING:
     from tensorwire import collectives as collective
     from tensorwire.collectives import WeightSync
-    from tensorwire.runtime.actor import ActorHandle, get_actor, method, passthrough, remote
     from tensorwire.runtime.api import free, get, put, stats, wait, wait_tensor_freed
-    from tensorwire.runtime.ref import Ref
-    from tensorwire.runtime.start import init
+    from tensorwire.runtime.ray.actor import ActorHandle, get_actor, method, passthrough, remote
+    from tensorwire.runtime.ray.start import init
+    from tensorwire.runtime.refs.ref import Ref
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ __all__ = [
     "PermissionDeniedError",
     "Ref",
     "TensorwireError",
+    "TrainerLost",
     "TransferAbortedError",
     "TransferTimeoutError",
     "TransportError",
@@ -70,20 +72,20 @@ __all__ = [
 ]
 
 _LAZY = {
-    "init": "tensorwire.runtime.start",
+    "init": "tensorwire.runtime.ray.start",
     "wait": "tensorwire.runtime.api",
     "get_async": "tensorwire.runtime.api",
-    "remote": "tensorwire.runtime.actor",
-    "get_actor": "tensorwire.runtime.actor",
-    "ActorHandle": "tensorwire.runtime.actor",
+    "remote": "tensorwire.runtime.ray.actor",
+    "get_actor": "tensorwire.runtime.ray.actor",
+    "ActorHandle": "tensorwire.runtime.ray.actor",
     "wait_tensor_freed": "tensorwire.runtime.api",
-    "method": "tensorwire.runtime.actor",
-    "passthrough": "tensorwire.runtime.actor",
+    "method": "tensorwire.runtime.ray.actor",
+    "passthrough": "tensorwire.runtime.ray.actor",
     "put": "tensorwire.runtime.api",
     "get": "tensorwire.runtime.api",
     "free": "tensorwire.runtime.api",
     "stats": "tensorwire.runtime.api",
-    "Ref": "tensorwire.runtime.ref",
+    "Ref": "tensorwire.runtime.refs.ref",
     "WeightSync": "tensorwire.collectives",
 }
 
@@ -98,7 +100,7 @@ def register_ray_transport() -> None:
     ``tw.init()`` does, and so does ``import tensorwire`` where Ray is imported already.
     """
     try:
-        from tensorwire.runtime import ray_transport
+        from tensorwire.runtime.ray import transport as ray_transport
     except ImportError as e:
         raise ImportError(
             f"tensor_transport='tensorwire' needs Ray's custom tensor transports "

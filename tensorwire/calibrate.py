@@ -24,7 +24,7 @@ def calibrate(nbytes: int = 64 << 20, repeats: int = 5, progress: Any = print) -
     import torch
 
     import tensorwire as tw
-    from tensorwire.runtime.ray_env import agent as runtime_agent
+    from tensorwire.runtime.agent import agent as runtime_agent
     from tensorwire.transport import registry
     from tensorwire.transport.contract import MemoryKind
     from tensorwire.transport.selector import CostEstimate

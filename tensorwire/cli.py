@@ -13,7 +13,7 @@ __all__ = ["main"]
 
 def _node_report() -> dict[str, Any]:
     """This node's topology plus the transports its agent can use (runs on any node)."""
-    from tensorwire.runtime.ray_env import agent as runtime_agent
+    from tensorwire.runtime.agent import agent as runtime_agent
     from tensorwire.transport import registry
     from tensorwire.transport.hw.topology import describe_node
 
@@ -28,7 +28,7 @@ def _node_report() -> dict[str, Any]:
 def _cluster_reports(address: str) -> list[dict[str, Any]]:
     """One report per alive Ray node, each gathered by a short-lived task pinned to that node."""
     import tensorwire as tw
-    from tensorwire.runtime import calls
+    from tensorwire.runtime.ray import calls
 
     tw.init(address=address)
     return calls.on_every_node(_node_report, timeout_s=120)
@@ -89,7 +89,7 @@ def _doctor(progress: bool = False) -> list[tuple[str, str, str]]:
 
     from tensorwire.peers import digest_of_fetch, peers
     from tensorwire.progress import ProgressBar
-    from tensorwire.runtime.ray_env import agent as runtime_agent
+    from tensorwire.runtime.agent import agent as runtime_agent
     from tensorwire.transport import registry
     from tensorwire.transport.hw.topology import describe_node
 

@@ -17,6 +17,7 @@ __all__ = [
     "PeerLostError",
     "PermissionDeniedError",
     "TensorwireError",
+    "TrainerLost",
     "TransferAbortedError",
     "TransferTimeoutError",
     "TransportContractError",
@@ -85,6 +86,26 @@ class OwnerDiedError(TensorwireError):
 
 class PermissionDeniedError(TensorwireError):
     """A request presented a wrong capability token or cluster token."""
+
+
+class TrainerLost(TensorwireError):
+    """A weight-sync trainer died or stalled during a push.
+
+    Raised in a receiver that reads from it (``rank``: its channel rank, which is its position
+    among the trainers; -1 when not known), and by ``WeightSync.push()`` when no other trainer
+    holds its bytes (``rank``: its position; ``why``: what happened, with "no failover" and why;
+    ``report``: what the receivers did). Where the others hold them, the push replaces it
+    instead (``report.replaced``).
+    """
+
+    def __init__(self, rank: int, why: str, *, report: object = None) -> None:
+        super().__init__(why)
+        self.rank = rank
+        self.why = why
+        self.report = report
+
+    def __reduce__(self) -> tuple[object, ...]:  # (raised in an actor, it travels pickled)
+        return (type(self), (self.rank, self.why), {"report": self.report})
 
 
 class LargeReferenceWarning(UserWarning):

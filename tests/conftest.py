@@ -63,12 +63,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = _shared_ray_modules_last(items, ray_modules)
 
 
+_TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def _room(item: pytest.Item) -> tuple[str, ...]:
+    """The top-level folder of ``tests/`` an item is in (``collectives``, ``runtime``, ...);
+    outside ``tests/`` (``benchmarks/``), its own folder."""
+    path = item.path.resolve()
+    return path.relative_to(_TESTS).parts[:1] if path.is_relative_to(_TESTS) else (str(path.parent),)
+
+
 def _shared_ray_modules_last(items: list[pytest.Item], ray_modules: frozenset[pathlib.Path]) -> list[pytest.Item]:
-    """In each directory, the modules that share a local Ray instance (``ray_local``) after the
-    others, so that the instance starts once per directory (tests/helpers/ray_sessions.py)."""
+    """In each top-level folder of ``tests/`` (with its sub-folders), the modules that share a
+    local Ray instance (``ray_local``) after the others, so that the instance starts once per
+    folder (tests/helpers/ray_sessions.py)."""
     ordered: list[pytest.Item] = []
-    for _directory, group in itertools.groupby(items, key=lambda item: item.path.parent):
-        run = list(group)  # consecutive items of one directory
+    for _room_name, group in itertools.groupby(items, key=_room):
+        run = list(group)  # consecutive items of one folder
         ordered += [i for i in run if i.path not in ray_modules] + [i for i in run if i.path in ray_modules]
     return ordered
 

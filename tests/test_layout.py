@@ -6,7 +6,7 @@
 * no import circle among the package's modules (imports inside functions count too);
 * every built-in transport lives under ``transport/backends``;
 * nothing walks the caller's stack (issue 35): no ``sys._getframe``, frame attributes or
-  ``inspect.stack``; no private attribute of a Ray object read outside ``runtime/ray_surface.py``'s list,
+  ``inspect.stack``; no private attribute of a Ray object read outside ``runtime/ray/surface.py``'s list,
   and no other library's private attribute read unlisted.
 """
 
@@ -24,11 +24,12 @@ MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 TRANSPORT = PACKAGE / "transport"
 # What a fetch runs through: the runtime's get, the agent and its dispatch, every transport.
-FETCH_PATH = [PACKAGE / "runtime" / n for n in ("api.py", "reading.py", "placement.py", "ref.py")] + sorted(
-    TRANSPORT.rglob("*.py")
-)
+FETCH_PATH = [PACKAGE / "runtime" / n for n in ("api.py", "refs/reading.py", "refs/placement.py", "refs/ref.py")]
+FETCH_PATH += sorted(TRANSPORT.rglob("*.py"))
+COLLECTIVES = PACKAGE / "collectives"
+RUNTIME = PACKAGE / "runtime"
 # Transport names that are not ours to hide: the collectives' torch.distributed backends.
-NAME_ALLOWED = {("collectives/group.py", "gloo"), ("collectives/group.py", "nccl")}
+NAME_ALLOWED = {("collectives/groups/group.py", "gloo"), ("collectives/groups/group.py", "nccl")}
 
 
 def _modules() -> list[Path]:
@@ -72,15 +73,48 @@ def test_module_is_at_most_500_lines_and_not_compressed(path: Path):
     assert "fmt: skip" not in text, f"{path.relative_to(PACKAGE)} joins lines with # fmt: skip: format it"
 
 
-@pytest.mark.parametrize("path", FETCH_PATH, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_functions_on_the_fetch_path_are_at_most_60_lines(path: Path):
-    tree = ast.parse(path.read_text())
-    long = [
+def test_collectives_and_runtime_have_their_rooms():
+    """Issue 53: ``ls tensorwire/collectives tensorwire/runtime`` shows the architecture."""
+    assert {p.name for p in COLLECTIVES.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "groups",
+        "weight_sync",
+    }
+    assert [p.name for p in COLLECTIVES.glob("*.py")] == ["__init__.py"]
+    weight_sync = COLLECTIVES / "weight_sync"
+    rooms = {p.name for p in weight_sync.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert rooms == {"planning", "protocol", "members", "streams", "commit", "recovery", "report"}
+    assert {p.name for p in RUNTIME.iterdir() if p.is_dir() and p.name != "__pycache__"} == {"refs", "ray"}
+
+
+def test_what_works_without_ray_imports_no_ray():
+    """``runtime/refs`` and the transport layer never import Ray (``runtime/ray`` does, lazily)."""
+    offenders = [
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in sorted((RUNTIME / "refs").rglob("*.py"))
+        for name in sorted(_imports(path))
+        if name == "ray" or name.startswith(("ray.", "tensorwire.runtime.ray.")) or name == "tensorwire.runtime.ray"
+    ]
+    assert not offenders, offenders
+
+
+def _long_functions(path: Path) -> list[str]:
+    return [
         f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})"
-        for node in ast.walk(tree)
+        for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
+
+
+@pytest.mark.parametrize("path", sorted(COLLECTIVES.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_functions_in_the_collectives_are_at_most_60_lines(path: Path):
+    long = _long_functions(path)
+    assert not long, f"{path.relative_to(PACKAGE)}: functions over {MAX_FUNCTION_LINES} lines: {', '.join(long)}"
+
+
+@pytest.mark.parametrize("path", FETCH_PATH, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_functions_on_the_fetch_path_are_at_most_60_lines(path: Path):
+    long = _long_functions(path)
     assert not long, f"{path.relative_to(PACKAGE)}: functions over {MAX_FUNCTION_LINES} lines: {', '.join(long)}"
 
 
@@ -157,7 +191,7 @@ def test_the_stack_check_finds_a_frame_walk():
     assert _frame_walks("import torch\n\ntorch.stack([])\n") == []
 
 
-# Private attributes of Ray objects the package may touch, in runtime/ray_surface.py only,
+# Private attributes of Ray objects the package may touch, in runtime/ray/surface.py only,
 # where each is listed with why (tests/integration/test_ray_surface.py fails naming it if Ray
 # changes it).
 RAY_PRIVATE_LISTED = {"_ray_weak_ref", "_ray_system"}
@@ -199,11 +233,11 @@ def test_private_ray_attributes_only_as_listed():
         for node in ast.walk(ast.parse(path.read_text())):
             name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
             private = isinstance(name, str) and name.startswith("_ray") and not name.startswith("__ray")
-            listed_here = name in RAY_PRIVATE_LISTED and path.name == "ray_surface.py"
+            listed_here = name in RAY_PRIVATE_LISTED and path == RUNTIME / "ray" / "surface.py"
             if private and name not in own and not listed_here:
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}")
     assert not offenders, offenders
-    surface = (PACKAGE / "runtime" / "ray_surface.py").read_text()
+    surface = (RUNTIME / "ray" / "surface.py").read_text()
     assert all(name in surface for name in RAY_PRIVATE_LISTED)
 
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 import tensorwire as tw
-from tensorwire.bench import ops
+from tensorwire.bench import ops, ray_baselines
 from tensorwire.bench.schema import make_row
-from tensorwire.runtime import calls, ray_paths
+from tensorwire.runtime.ray import calls
 
 __all__ = ["run"]
 
@@ -72,10 +72,10 @@ class _Node:
 
     # one-to-N baselines
     def put_state(self) -> list:
-        return ray_paths.put(self.value)
+        return ray_baselines.put(self.value)
 
     def load_from_store(self, boxed: list) -> int:
-        return self.take(ray_paths.take(boxed))
+        return self.take(ray_baselines.take(boxed))
 
     receives = True  # False in the one that broadcasts
 
@@ -121,7 +121,7 @@ def ray_node() -> Any:
             "value_rdt_nixl": (_value, "nixl"),
             "value_rdt_tensorwire": (_value, "tensorwire"),  # tensorwire as Ray's registered transport
         }
-        _ray_node.append(ray_paths.rdt_actor_class(_RayNode, methods, num_cpus=0))
+        _ray_node.append(ray_baselines.rdt_actor_class(_RayNode, methods, num_cpus=0))
     return _ray_node[0]
 
 
@@ -222,7 +222,7 @@ def _p2p(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     zc_src, zc_dst = node.options(runtime_env=_ZERO_COPY).remote(), node.options(runtime_env=_ZERO_COPY).remote()
     rdt = True
     try:
-        ray_paths.create_rdt_group([ray_src, ray_dst], backend="torch_gloo")
+        ray_baselines.create_rdt_group([ray_src, ray_dst], backend="torch_gloo")
     except Exception as e:  # noqa: BLE001 - reported, the rest still runs
         rdt = False
         notes.append(f"Ray direct transport: could not make its gloo group ({e})")
@@ -290,7 +290,7 @@ def _ray_nixl(node: Any, options: Any, progress: Any) -> list[Any]:
             )
     finally:
         for actor in pair:
-            ray_paths.kill(actor)
+            ray_baselines.kill(actor)
     return rows
 
 
@@ -311,7 +311,7 @@ def _gpu_plans(notes: list[str]) -> list[tuple[str, str, float, str]]:
     """(RDT transport, its method, GPUs per actor, collective backend or "") that fit here."""
     import importlib.util
 
-    gpus = ray_paths.cluster_gpus()
+    gpus = ray_baselines.cluster_gpus()
     if gpus < 1:
         notes.append("GPU actor baselines (Ray RDT over nccl / cuda_ipc / nixl): no GPU in the Ray cluster")
         return []
@@ -336,7 +336,7 @@ def _p2p_gpu(options: Any, notes: list[str]) -> list[Any]:
         tw_src, tw_dst = TwNode.options(num_gpus=gpus).remote(), TwNode.options(num_gpus=gpus).remote()
         ray_src, ray_dst = node.options(num_gpus=gpus).remote(), node.options(num_gpus=gpus).remote()
         if backend:
-            ray_paths.create_rdt_group([ray_src, ray_dst], backend=backend)
+            ray_baselines.create_rdt_group([ray_src, ray_dst], backend=backend)
         for nbytes in options.sizes:
             _gather([n.set.remote(nbytes, 1, "cuda") for n in (tw_src, tw_dst, ray_src, ray_dst)])
             plans = {
@@ -351,7 +351,7 @@ def _p2p_gpu(options: Any, notes: list[str]) -> list[Any]:
                 f"p2p-actors-gpu-{rdt}", plans, nbytes, options, reason="GPU actor -> GPU actor, unverified path"
             )
         for actor in (tw_src, tw_dst, ray_src, ray_dst):
-            ray_paths.kill(actor)
+            ray_baselines.kill(actor)
     return rows
 
 

@@ -41,7 +41,7 @@ import tensorwire as tw
 from tensorwire.bench.bare_nixl import BareNixl, nixl_api, skipped
 from tensorwire.bench.schema import machine
 from tensorwire.peers import Peer
-from tensorwire.runtime.ray_env import agent as runtime_agent
+from tensorwire.runtime.agent import agent as runtime_agent
 from tensorwire.transport.costs import MemoryKind
 
 MIB = 1 << 20

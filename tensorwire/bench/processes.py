@@ -41,7 +41,7 @@ def _transports_to_run(options: Options, notes: list[str]) -> list[tuple[str, bo
     import torch
 
     from tensorwire.peers import consumer_device
-    from tensorwire.runtime.ray_env import agent as runtime_agent
+    from tensorwire.runtime.agent import agent as runtime_agent
     from tensorwire.transport import registry
     from tensorwire.transport.contract import MemoryKind
 
@@ -137,7 +137,7 @@ def _value(nbytes: int, tensors: int, cuda: bool) -> Any:
 def process_scenarios(options: Options, progress: ProgressBar, notes: list[str]) -> list[Row]:
     import tensorwire as tw
     from tensorwire.peers import spawn
-    from tensorwire.runtime.ray_env import agent as runtime_agent
+    from tensorwire.runtime.agent import agent as runtime_agent
     from tensorwire.transport import registry
     from tensorwire.transport.contract import MemoryKind
 

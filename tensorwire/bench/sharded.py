@@ -33,10 +33,11 @@ from typing import Any
 import torch
 
 import tensorwire as tw
-from tensorwire.collectives.fanout import checksum
-from tensorwire.collectives.layout import Replicate, Shard, Sharded, placement_box
-from tensorwire.collectives.plan import Fuse, plan_sync
-from tensorwire.runtime import calls, ray_paths
+from tensorwire.bench import ray_baselines
+from tensorwire.collectives.weight_sync.planning.layout import Replicate, Shard, Sharded, placement_box
+from tensorwire.collectives.weight_sync.planning.plan import Fuse, plan_sync
+from tensorwire.collectives.weight_sync.streams.staging import checksum
+from tensorwire.runtime.ray import calls
 
 __all__ = ["HIDDEN", "Bench", "run"]
 
@@ -204,10 +205,10 @@ class ShardedRank:
 
     # Ray's object store
     def put_shard(self) -> list[Any]:
-        return ray_paths.put({n: p.tensor for n, p in self.pieces.items()})
+        return ray_baselines.put({n: p.tensor for n, p in self.pieces.items()})
 
     def load_shards(self, boxes: list[list[Any]]) -> None:
-        shards = [ray_paths.take(box) for box in boxes]
+        shards = [ray_baselines.take(box) for box in boxes]
         for trainer, source, src, target, dst in self._cuts:
             self.pieces[target].tensor[dst].copy_(shards[trainer][source][src])
 
@@ -242,9 +243,9 @@ class Bench:
         self.last_report: Any = None  # the last tensorwire push's report (its timeline)
 
     def _whole_layout(self) -> list[Any]:
-        from tensorwire.collectives.layout import Box, HeldParam
+        from tensorwire.collectives.weight_sync.planning.layout import Box, ParamPiece
 
-        return [HeldParam(n, s, "float32", Box.full(s)) for n, s in self.model.items()]
+        return [ParamPiece(n, s, "float32", Box.full(s)) for n, s in self.model.items()]
 
     @staticmethod
     def _cuts(plan: Any) -> dict[int, list[tuple[Any, ...]]]:

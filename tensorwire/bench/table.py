@@ -6,15 +6,9 @@ import math
 import textwrap
 
 from tensorwire.bench.schema import Fit, Row
+from tensorwire.units import nbytes_text
 
 __all__ = ["format_table", "plot"]
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
 
 
 _REASON_WIDTH = 44
@@ -67,7 +61,7 @@ def format_table(rows: list[Row], fits: list[Fit]) -> str:
                 r.scenario,
                 r.method,
                 _shorten(reason),
-                _size(r.nbytes),
+                nbytes_text(r.nbytes, compact=True),
                 str(r.tensors),
                 str(r.peers),
                 f"{r.p50_us:.1f}",

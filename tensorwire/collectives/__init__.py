@@ -1,5 +1,8 @@
 """Collectives over groups of actors, and weight sync (``tw.collective``, ``tw.WeightSync``).
 
+Two rooms: ``groups/`` (group collectives and their backends) and ``weight_sync/`` (pushing
+trainers' weights into receivers).
+
 Driver: ``create_group(actors, backend=..., name=...)``, ``destroy_group(name)``;
 inside a member actor: ``get_group(name)`` and its ``broadcast``/``all_reduce``/... methods.
 Weight sync: ``tw.WeightSync(trainers, receivers, ...)``; pieces described with ``Sharded``
@@ -8,14 +11,34 @@ Weight sync: ``tw.WeightSync(trainers, receivers, ...)``; pieces described with 
 ``set_fault_point`` for fault-injection tests.
 """
 
-from tensorwire.collectives.api import GroupInfo, create_group, destroy_group
-from tensorwire.collectives.group import BACKENDS, Backend, Group, ReduceOp
-from tensorwire.collectives.groups import get_group, group_names
-from tensorwire.collectives.layout import Box, HeldParam, Replicate, Shard, Sharded
-from tensorwire.collectives.plan import Fuse, Mapping, Plan, plan_sync
-from tensorwire.collectives.receiver_state import TORN
-from tensorwire.collectives.sync_hooks import set_fault_point, weight_fence
-from tensorwire.collectives.weight_sync import SyncReport, WeightSync, weight_version
+from tensorwire.collectives.groups import (
+    BACKENDS,
+    Backend,
+    Group,
+    GroupInfo,
+    ReduceOp,
+    create_group,
+    destroy_group,
+    get_group,
+    group_names,
+)
+from tensorwire.collectives.weight_sync import (
+    TORN,
+    Box,
+    Fuse,
+    NameMap,
+    ParamPiece,
+    Plan,
+    Replicate,
+    Shard,
+    Sharded,
+    SyncReport,
+    WeightSync,
+    plan_sync,
+    set_fault_point,
+    weight_fence,
+    weight_version,
+)
 
 __all__ = [
     "BACKENDS",
@@ -25,8 +48,8 @@ __all__ = [
     "Fuse",
     "Group",
     "GroupInfo",
-    "HeldParam",
-    "Mapping",
+    "NameMap",
+    "ParamPiece",
     "Plan",
     "ReduceOp",
     "Replicate",

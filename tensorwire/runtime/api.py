@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from tensorwire.errors import TransferTimeoutError
-from tensorwire.runtime import reading, values
-from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.runtime.ref import Ref, RefState
-from tensorwire.runtime.registering import register_tensors
+from tensorwire.runtime.agent import agent as runtime_agent
+from tensorwire.runtime.refs import reading, values
+from tensorwire.runtime.refs.ref import Ref, RefState
+from tensorwire.runtime.refs.registering import register_tensors
 from tensorwire.transport.config import validate_timeout
 from tensorwire.transport.contract import MemoryKind
 from tensorwire.transport.hw import topology
@@ -86,7 +86,7 @@ def _get_object_ref(
     """``tw.get`` of a Ray ``ObjectRef``: a direct-transport reference is read by Ray (with
     ``out=`` / ``device=`` / ``transport=``); any other value comes from Ray's object store,
     placed on ``device`` / into ``out``, and a ``tw.Ref`` it is gets fetched with the options."""
-    from tensorwire.runtime import ray_paths
+    from tensorwire.runtime.ray import paths as ray_paths
 
     if object_ref.tensor_transport():  # Ray's direct transport (ours or another)
         return ray_paths.get_direct(
@@ -199,7 +199,7 @@ def wait(refs: list[Any], *, num_returns: int = 1, timeout_s: float | None = Non
     ready_ids = {id(r) for r in refs if isinstance(r, Ref)}
     calls = [r for r in refs if not isinstance(r, Ref)]
     if calls and len(ready_ids) < num_returns:
-        from tensorwire.runtime import ray_paths
+        from tensorwire.runtime.ray import paths as ray_paths
 
         wanted = min(len(calls), num_returns - len(ready_ids))
         ready_ids |= {id(r) for r in ray_paths.wait_calls(calls, num_returns=wanted, timeout_s=timeout)}

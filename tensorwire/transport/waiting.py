@@ -6,7 +6,7 @@ completion (two-sided posted operations, gloo works, NIXL READs, an NCCL group's
 rendezvous key, a message from a group member, a producer waiting for consumers to let go of a
 tensor. (Waits on Ray calls, ``tw.wait`` and the weight-sync driver's, are Ray's own ``ray.wait``
 in slices.) Each bounds the wait by its deadline and runs its ``check`` every
-:data:`CHECK_EVERY_S` (the check raises ``PeerLostError``, ``OwnerDiedError``, ...), so a peer
+:data:`STATE_CHECK_EVERY_S` (the check raises ``PeerLostError``, ``OwnerDiedError``, ...), so a peer
 that dies turns into an error within a quarter second on one machine instead of a wait for the
 whole deadline.
 """
@@ -19,9 +19,9 @@ from typing import TypeVar
 
 from tensorwire.errors import TransferTimeoutError
 
-__all__ = ["CHECK_EVERY_S", "backoff", "wait_until"]
+__all__ = ["STATE_CHECK_EVERY_S", "backoff", "wait_until"]
 
-CHECK_EVERY_S = 0.25  # how often a wait runs its check (the peer's liveness, the object's state)
+STATE_CHECK_EVERY_S = 0.25  # how often a wait runs its check (the peer's liveness, the object's state)
 
 T = TypeVar("T")
 
@@ -41,7 +41,7 @@ def wait_until(
     deadline: float,
     what: str,
     check: Callable[[], None] | None = None,
-    check_every_s: float = CHECK_EVERY_S,
+    check_every_s: float = STATE_CHECK_EVERY_S,
     pause: Callable[[int, float], float | None] | None = None,
     on_timeout: Callable[[], Exception] | None = None,
 ) -> T:

@@ -223,9 +223,9 @@ class Holder:
 
     def aside_nbytes(self, sync_id: str) -> int:
         """Bytes this receiver keeps aside for sync ``sync_id`` (shadows, float8 staging)."""
-        from tensorwire.collectives import receiver_state
+        from tensorwire.collectives.weight_sync.commit import aside
 
-        return receiver_state.aside_nbytes(sync_id)
+        return aside.aside_nbytes(sync_id)
 
     def own_fence_free(self) -> bool:
         return not self.own.locked()
@@ -276,7 +276,7 @@ class Pieces:
     """
 
     def __init__(self, entries: dict, version: int = 0) -> None:
-        from tensorwire.collectives.layout import placement_box
+        from tensorwire.collectives.weight_sync.planning.layout import placement_box
 
         self.entries = entries
         self.pieces = {}
@@ -318,7 +318,7 @@ class Pieces:
 
     def become(self, version: int) -> None:
         """A training step: every piece becomes its part of ``full_tensor(..., version)``, in place."""
-        from tensorwire.collectives.layout import placement_box
+        from tensorwire.collectives.weight_sync.planning.layout import placement_box
 
         for name, (shape, placements, mesh, coord, _dtype, _local) in self.entries.items():
             box = placement_box(shape, placements, mesh, coord)
@@ -371,7 +371,7 @@ class DTensorTrainer:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        from tensorwire.collectives.layout import placement_box
+        from tensorwire.collectives.weight_sync.planning.layout import placement_box
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         mesh = init_device_mesh("cpu", (world,))

@@ -13,7 +13,7 @@ repeated 8 times per replica (attention data parallel); norms replicated.
 
 from __future__ import annotations
 
-from tensorwire.collectives.layout import Box, HeldParam, Replicate, Shard, placement_box
+from tensorwire.collectives.weight_sync.planning.layout import Box, ParamPiece, Replicate, Shard, placement_box
 
 HIDDEN, LAYERS, EXPERTS, MOE_INTER, DENSE_INTER, VOCAB = 7168, 61, 384, 2048, 18432, 163840
 TRAINERS, TRAINER_EP, TRAINER_SHARD = 256, 128, 8
@@ -68,7 +68,7 @@ def expert_shapes(experts: range) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def trainer_layouts(dtype: str = "bfloat16") -> list[list[HeldParam]]:
+def trainer_layouts(dtype: str = "bfloat16") -> list[list[ParamPiece]]:
     dense = dense_shapes()
     per_ep = EXPERTS // TRAINER_EP
     boxes: dict[tuple[str, int], Box] = {}  # one Box object per distinct piece, shared by replicas
@@ -84,14 +84,14 @@ def trainer_layouts(dtype: str = "bfloat16") -> list[list[HeldParam]]:
                 box = boxes.get((name, shard)) or boxes.setdefault(
                     (name, shard), placement_box(shape, [Shard(0)], [TRAINER_SHARD], [shard])
                 )
-            layout.append(HeldParam(name, shape, dtype, box))
+            layout.append(ParamPiece(name, shape, dtype, box))
         for name, shape in expert_shapes(range(ep * per_ep, (ep + 1) * per_ep)).items():
-            layout.append(HeldParam(name, shape, dtype, boxes.setdefault((name, -1), Box.full(shape))))
+            layout.append(ParamPiece(name, shape, dtype, boxes.setdefault((name, -1), Box.full(shape))))
         layouts.append(layout)
     return layouts
 
 
-def receiver_layouts(dtype: str = "bfloat16") -> list[list[HeldParam]]:
+def receiver_layouts(dtype: str = "bfloat16") -> list[list[ParamPiece]]:
     dense = dense_shapes()
     per_rank = EXPERTS // RANKS_PER_REPLICA
     layouts = []
@@ -102,8 +102,8 @@ def receiver_layouts(dtype: str = "bfloat16") -> list[list[HeldParam]]:
             for name, (shape, kind) in dense.items():
                 placement = {"col": Shard(0), "row": Shard(1), "norm": Replicate()}[kind]
                 box = placement_box(shape, [placement], [TP], [tp])
-                layout.append(HeldParam(name, shape, dtype, box))  # placements are only needed for fused ones
+                layout.append(ParamPiece(name, shape, dtype, box))  # placements are only needed for fused ones
             for name, shape in expert_shapes(range(rank * per_rank, (rank + 1) * per_rank)).items():
-                layout.append(HeldParam(name, shape, dtype, Box.full(shape)))
+                layout.append(ParamPiece(name, shape, dtype, Box.full(shape)))
             layouts.append(layout)
     return layouts

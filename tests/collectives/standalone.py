@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import torch
 
-from tensorwire.collectives import sync_hooks
-from tensorwire.collectives.channel import describe_self, member_from
-from tensorwire.collectives.layout import Shard, Sharded
-from tensorwire.collectives.tensorwire_group import TensorwireGroup
+from tensorwire.collectives.groups.channel import describe_self, member_from
+from tensorwire.collectives.groups.tensorwire_group import TensorwireGroup
+from tensorwire.collectives.weight_sync.members import common, receiver, trainer
+from tensorwire.collectives.weight_sync.planning.layout import Shard, Sharded
+from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
 from tests.helpers.tasks import digest
 
 _kept: dict[str, object] = {}
@@ -50,25 +51,25 @@ def holder(tensors: int, device: str, seed: int | None) -> SimpleNamespace:
     return _kept["holder"]
 
 
-def sync_send(spec: sync_hooks.PushSpec, tensors: int, device: str) -> dict:
+def sync_send(spec: PushSpec, tensors: int, device: str) -> dict:
     actor = holder(tensors, device, seed=3)
-    result = dataclasses.asdict(sync_hooks.send(actor, spec))
+    result = dataclasses.asdict(trainer.send(actor, spec))
     result["digest"] = digest(actor.weights)
     return result
 
 
-def sync_receive(spec: sync_hooks.PushSpec, tensors: int, device: str) -> dict:
+def sync_receive(spec: PushSpec, tensors: int, device: str) -> dict:
     actor = holder(tensors, device, seed=None)
     before = [t.data_ptr() for t in actor.weights.values()]
-    result = dataclasses.asdict(sync_hooks.receive(actor, spec))
+    result = dataclasses.asdict(receiver.receive(actor, spec))
     result["digest"] = digest(actor.weights)
     result["in_place"] = before == [t.data_ptr() for t in actor.weights.values()]
-    sync_hooks.release(actor, spec.sync_id)
+    common.release_hook(actor, spec.sync_id)
     return result
 
 
 def release(sync_id: str) -> None:
-    sync_hooks.release(None, sync_id)
+    common.release_hook(None, sync_id)
 
 
 def _sharded_weights(role: str, rank: int, device: str) -> dict:
@@ -85,17 +86,17 @@ def _sharded_weights(role: str, rank: int, device: str) -> dict:
     }
 
 
-def sharded_send(spec: sync_hooks.PushSpec, rank: int, device: str) -> dict:
+def sharded_send(spec: PushSpec, rank: int, device: str) -> dict:
     actor = SimpleNamespace(weights=_sharded_weights("trainer", rank, device))
     _kept[f"trainer{rank}"] = actor
-    return dataclasses.asdict(sync_hooks.send(actor, spec))
+    return dataclasses.asdict(trainer.send(actor, spec))
 
 
-def sharded_receive(spec: sync_hooks.PushSpec, device: str) -> dict:
+def sharded_receive(spec: PushSpec, device: str) -> dict:
     weights = _sharded_weights("receiver", 0, device)
     expected_w, expected_b = weights.pop("expected")
     actor = SimpleNamespace(weights=weights)
-    result = dataclasses.asdict(sync_hooks.receive(actor, spec))
+    result = dataclasses.asdict(receiver.receive(actor, spec))
     result["exact"] = torch.equal(weights["w"].tensor.cpu(), expected_w) and torch.equal(weights["b"].cpu(), expected_b)
-    sync_hooks.release(actor, spec.sync_id)
+    common.release_hook(actor, spec.sync_id)
     return result

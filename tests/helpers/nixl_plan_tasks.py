@@ -143,7 +143,7 @@ def fetch_each(refs: list[tw.Ref]) -> list[str]:
 
 def packed_slot(name: str) -> int | None:
     """Producer: the slab slot the exported object ``name`` is packed in (None: not packed)."""
-    from tensorwire.runtime.ray_env import agent as runtime_agent
+    from tensorwire.runtime.agent import agent as runtime_agent
 
     desc = _kept[f"{name}/ref"].state.desc
     state = runtime_agent().local_object(desc.object_id, desc.token).transport_state.get("nixl")

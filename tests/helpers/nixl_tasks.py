@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import tensorwire as tw
-from tensorwire.collectives import sync_hooks
+from tensorwire.collectives.weight_sync.members import common, receiver, trainer
 from tensorwire.transport.backends.nixl import agent as nixl_agent
 from tests.helpers.tasks import digest
 
@@ -178,7 +178,7 @@ def broadcast_and_transports(name: str, rank: int, descriptions: list, src: int)
 def read_plain(refs: list[tw.Ref], transport: str = "nixl") -> dict:
     """Fetch each reference over ``transport`` with no ``out=``, each result dropped before the next
     fetch; the digests, and how many registrations and pool leases that took here."""
-    from tensorwire.runtime.ray_env import agent
+    from tensorwire.runtime.agent import agent
 
     nixl_agent.process_agent()
     registered, reused = nixl_agent.stats()["registered"], agent().host_pool.stats()["reused"]
@@ -204,14 +204,14 @@ def sync_twice(role: str, specs: list, tensors: int) -> list[dict]:
     for spec in specs:
         nixl_agent.process_agent()
         registered = nixl_agent.stats()["registered"]
-        run = sync_hooks.send if role == "send" else sync_hooks.receive
+        run = trainer.send if role == "send" else receiver.receive
         result = dataclasses.asdict(run(actor, spec))
         result.update(digest=digest(actor.weights), registered=nixl_agent.stats()["registered"] - registered)
         if role == "send":
-            sync_hooks.release(None, spec.sync_id)  # after the receiver has it: the caller orders the calls
+            common.release_hook(None, spec.sync_id)  # after the receiver has it: the caller orders the calls
             for weight in actor.weights.values():
                 weight.mul_(-1)  # a training step: the same memory, new values
         else:
-            sync_hooks.release(actor, spec.sync_id)
+            common.release_hook(actor, spec.sync_id)
         results.append(result)
     return results

@@ -28,7 +28,7 @@ _shared: contextlib.ExitStack | None = None  # the running shared instance: how 
 def _fresh_agent() -> Iterator[None]:
     """A fresh agent and process set-up on loopback addresses; the environment and the agent
     restored afterwards."""
-    from tensorwire.runtime import ray_env
+    from tensorwire.runtime.ray import env as ray_env
     from tensorwire.transport.agent.core import shutdown_agent
 
     saved = {k: os.environ.get(k) for k in RAY_DERIVED_ENV}

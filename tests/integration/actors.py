@@ -134,7 +134,7 @@ class Consumer:
 
     def ray_metrics_recorded(self) -> int:
         """Transfers this process reported through Ray's metrics API."""
-        from tensorwire.runtime.ray_env import RayMetrics
+        from tensorwire.runtime.ray.env import RayMetrics
 
         return RayMetrics.instance().recorded
 
@@ -195,7 +195,7 @@ class _Node:
 
 @tw.remote(num_cpus=0)
 class HeapProbe:
-    """What the garbage collector of a tensorwire actor walks (:mod:`tensorwire.runtime.heap`)."""
+    """What the garbage collector of a tensorwire actor walks (:mod:`tensorwire.runtime.ray.heap`)."""
 
     def __init__(self) -> None:
         self.made_in_init = [object()]  # tracked by the collector until frozen

@@ -13,7 +13,7 @@ import ray
 import torch
 
 import tensorwire as tw
-from tensorwire.runtime.heap import FREEZE_ENV
+from tensorwire.runtime.ray.heap import FREEZE_ENV
 from tests.helpers.tasks import digest
 from tests.integration.actors import (
     AsyncConsumer,

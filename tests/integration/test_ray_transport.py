@@ -97,7 +97,7 @@ def test_ray_put_with_the_tensorwire_transport(producer, consumers):
 
 def test_a_value_without_tensors_travels_through_ray_with_a_warning(producer, monkeypatch):
     assert ray.get(producer.number.remote(), timeout=60) == 5
-    from tensorwire.runtime import ray_transport
+    from tensorwire.runtime.ray import transport as ray_transport
 
     monkeypatch.setattr(ray_transport, "_warned_no_tensors", False)
     with pytest.warns(UserWarning, match="drop tensor_transport"):  # (in the producer, as here)
@@ -178,7 +178,8 @@ def test_aborts_before_and_during_a_read(monkeypatch):
     read runs drops its result; an unfinished ``ray.get`` read honours its timeout."""
     import concurrent.futures
 
-    from tensorwire.runtime import placement, ray_transport
+    from tensorwire.runtime.ray import transport as ray_transport
+    from tensorwire.runtime.refs import placement
 
     manager = ray_transport.TensorwireTransport()
     metadata = manager.extract_tensor_transport_metadata("obj-abort", [torch.arange(100_000.0)])
@@ -295,7 +296,7 @@ def test_ray_get_into_buffers_the_caller_set(producer):
 def test_target_buffers_are_checked_before_a_read():
     """The reader's own checks of ``set_target_for_ref`` buffers, behind Ray's (which the
     end-to-end test above meets first)."""
-    from tensorwire.runtime.ray_transport import TensorwireTransport
+    from tensorwire.runtime.ray.transport import TensorwireTransport
 
     manager = TensorwireTransport()
     metadata = manager.extract_tensor_transport_metadata("obj-buffers", [torch.arange(10.0)])

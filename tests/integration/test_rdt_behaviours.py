@@ -15,7 +15,7 @@ import ray
 import torch
 
 import tensorwire as tw
-from tensorwire.runtime import ray_surface
+from tensorwire.runtime.ray import surface as ray_surface
 from tests.helpers.observe import wait_until
 from tests.integration.rdt_behaviour_actors import AsyncWorker, Worker
 

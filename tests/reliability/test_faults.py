@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.runtime.ref import Ref, RefState
+from tensorwire.runtime.refs.ref import Ref, RefState
 from tests.helpers.inflight import SharedBuffer, freeze_then_kill, wait_in_flight
 from tests.helpers.observe import segment_count, wait_until
 from tests.helpers.procs import Worker

@@ -16,7 +16,7 @@ import torch
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 
-from tensorwire.runtime.values import flatten, unflatten
+from tensorwire.runtime.refs.values import flatten, unflatten
 from tensorwire.transport.agent.control import cluster_token
 from tensorwire.transport.agent.wire import messages
 from tensorwire.transport.contract import TensorKind

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.runtime.ray_env import agent as runtime_agent
-from tensorwire.runtime.ref import Ref, RefState
+from tensorwire.runtime.agent import agent as runtime_agent
+from tensorwire.runtime.refs.ref import Ref, RefState
 from tensorwire.transport.agent.control import cluster_token
 
 

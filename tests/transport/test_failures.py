@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.runtime.ref import Ref, RefState
+from tensorwire.runtime.refs.ref import Ref, RefState
 from tests.helpers.inflight import Background, SharedBuffer, freeze_then_kill, wait_in_flight
 from tests.helpers.procs import Worker
 from tests.helpers.tasks import digest

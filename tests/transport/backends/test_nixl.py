@@ -289,11 +289,12 @@ def test_thousand_new_objects_keep_caches_bounded_and_memory_flat():
 def _push_specs(workers: list[Worker], tensors: int, sync_id: str, transport: str, versions: tuple[int, ...]):
     """A push of ``tensors`` float32 parameters (64 Ki elements each) from ``workers[0]`` to
     ``workers[1]``: per rank its spec for each version; the plan; its bucket count."""
-    from tensorwire.collectives.layout import Box, HeldParam
-    from tensorwire.collectives.plan import plan_sync
-    from tensorwire.collectives.sync_hooks import PushSpec, assign_roles
+    from tensorwire.collectives.weight_sync.planning.layout import Box, ParamPiece
+    from tensorwire.collectives.weight_sync.planning.plan import plan_sync
+    from tensorwire.collectives.weight_sync.protocol.assign import assign_roles
+    from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
 
-    layout = tuple(HeldParam(f"w{i}", (1 << 16,), "float32", Box.full((1 << 16,))) for i in range(tensors))
+    layout = tuple(ParamPiece(f"w{i}", (1 << 16,), "float32", Box.full((1 << 16,))) for i in range(tensors))
     plan = plan_sync([layout], [layout])
     descriptions = tuple(w.call("tests.collectives.standalone:describe") for w in workers)
     roles, buckets = assign_roles(

@@ -1,0 +1,75 @@
+"""Where a version is assembled aside in a receiver, kept across pushes.
+
+*Shadows*: a copy of each receiver tensor that a push with ``spec.shadow`` (``atomic``, or the
+all-or-none default) writes into, published by one local copy inside the fence
+(:func:`..commit.receiver.commit`). *Float8 staging*: a tensor of the wire dtype per float8
+parameter, quantised into the parameter (or its shadow) with a per-tensor scale
+(:func:`quantise`). Both are dropped by :func:`release`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
+
+__all__ = ["aside_nbytes", "destinations", "quantise", "release", "shadow_of"]
+
+_shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> shadow, or (sync id, -1 - param) fp8 staging
+
+
+def release(sync_id: str) -> None:
+    """Drop the shadows and float8 staging of sync ``sync_id`` in this process."""
+    for key in [key for key in _shadows if key[0] == sync_id]:
+        del _shadows[key]
+
+
+def aside_nbytes(sync_id: str) -> int:
+    """Bytes this receiver keeps aside for sync ``sync_id``: shadows and float8 staging."""
+    return sum(t.numel() * t.element_size() for key, t in list(_shadows.items()) if key[0] == sync_id)
+
+
+def _kept(key: tuple[str, int], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    kept = _shadows.get(key)
+    if kept is None or kept.shape != shape or kept.dtype != dtype or kept.device != device:
+        kept = _shadows[key] = torch.empty(shape, dtype=dtype, device=device)
+    return kept
+
+
+def destinations(spec: PushSpec, targets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Where each parameter's pieces land: the target itself, its shadow (assembled aside),
+    or (float8) a staging tensor of the wire dtype. Kept between pushes."""
+    wire = {r.param: r.wire_dtype for role in spec.roles for bucket in role.buckets for r in bucket}
+    fp8 = {p for p, _scale in spec.scales}
+    result = []
+    for i, target in enumerate(targets):
+        staged = _shadows.get((spec.sync_id, -1 - i))  # (a failover's next try may read none of it: kept)
+        if i in fp8 and i in wire:
+            result.append(_kept((spec.sync_id, -1 - i), target.shape, getattr(torch, wire[i]), target.device))
+        elif i in fp8 and staged is not None:
+            result.append(staged)
+        elif spec.shadow:
+            result.append(_kept((spec.sync_id, i), target.shape, target.dtype, target.device))
+        else:
+            result.append(target)
+    return result
+
+
+def shadow_of(spec: PushSpec, targets: list[torch.Tensor], i: int) -> torch.Tensor:
+    if not spec.shadow:
+        return targets[i]
+    return _kept((spec.sync_id, i), targets[i].shape, targets[i].dtype, targets[i].device)
+
+
+def quantise(spec: PushSpec, targets: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
+    """Float8 parameters: scale = amax of the piece / the dtype's max; write both (only those
+    assembled in a staging tensor of the wire dtype)."""
+    for param, scale_param in spec.scales:
+        if dsts[param] is not _shadows.get((spec.sync_id, -1 - param)):
+            continue
+        out = shadow_of(spec, targets, param)
+        high = dsts[param].float()
+        top = torch.finfo(out.dtype).max
+        scale = (high.abs().max() / top).clamp(min=1e-12)
+        out.copy_((high / scale).clamp(-top, top).to(out.dtype))
+        shadow_of(spec, targets, scale_param).fill_(scale.item())

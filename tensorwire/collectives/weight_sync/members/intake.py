@@ -1,0 +1,132 @@
+"""How a weight-sync receiver takes one bucket in (:mod:`.receiver` runs it per bucket):
+waiting for the bucket's message from its parent (a trainer that sends none within ``stall_s``
+stalled, one that died or stalled is ``TrainerLost``), copying it into the destination views
+from the sender's staging slot, as an announced object read in place, or some pieces each way,
+and acknowledging it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from tensorwire.collectives.groups.channel import Channel
+from tensorwire.collectives.weight_sync.protocol.messages import SLOT, BucketKind, parse_mixed
+from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
+from tensorwire.collectives.weight_sync.recovery.stalls import report_stall
+from tensorwire.collectives.weight_sync.streams.staging import read_slot, ring_reader
+from tensorwire.errors import PeerLostError, TensorwireError, TrainerLost, TransferTimeoutError
+
+__all__ = ["acknowledge", "next_bucket", "take_from"]
+
+
+def _take(
+    channel: Channel,
+    spec: PushSpec,
+    bucket: tuple[BucketKind, bytes],
+    views: list[torch.Tensor],
+    dtypes: list[torch.dtype],
+) -> tuple[str, float, list[torch.Tensor]]:
+    """Copy one bucket into ``views``: from the sender's staging slot, as an announced object
+    (read in place), or some pieces each way. Returns the transport, the seconds spent on
+    strided or converted copies, and the bucket's tensors as sent (to relay)."""
+    kind, payload = bucket
+    if kind is BucketKind.RING:
+        transport, slow_s = _take_ring(spec, payload, views, dtypes)
+        return transport, slow_s, views
+    if kind is BucketKind.OBJECT:
+        return _take_object(channel, spec, payload, views, dtypes)
+    mask, ring_payload, announcement = parse_mixed(payload)
+    if len(mask) != len(views):
+        raise TensorwireError(f"a mixed bucket of {len(mask)} pieces, expected {len(views)}")
+    ringed = [i for i, m in enumerate(mask) if not m]
+    direct = [i for i, m in enumerate(mask) if m]
+    _ring, ring_slow_s = _take_ring(spec, ring_payload, [views[i] for i in ringed], [dtypes[i] for i in ringed])
+    transport, slow_s, _sent = _take_object(
+        channel, spec, announcement, [views[i] for i in direct], [dtypes[i] for i in direct]
+    )
+    return transport, ring_slow_s + slow_s, views
+
+
+def _take_ring(
+    spec: PushSpec, payload: bytes, views: list[torch.Tensor], dtypes: list[torch.dtype]
+) -> tuple[str, float]:
+    (slot_nbytes,) = SLOT.unpack_from(payload)
+    transport, reader = ring_reader(spec.sync_id)
+    array = reader.mapped(payload[SLOT.size :].decode(), slot_nbytes)
+    return transport, read_slot(array, views, dtypes)
+
+
+def _take_object(
+    channel: Channel, spec: PushSpec, announcement: bytes, views: list[torch.Tensor], dtypes: list[torch.dtype]
+) -> tuple[str, float, list[torch.Tensor]]:
+    direct = [v.dtype == d and v.is_contiguous() for v, d in zip(views, dtypes, strict=True)]
+    fetched = channel.fetch(
+        announcement,
+        [v if ok else None for v, ok in zip(views, direct, strict=True)],
+        transport=spec.transport,
+        targets=[v.device for v in views],
+    )
+    copy_start = time.perf_counter()
+    for i, ok in enumerate(direct):
+        if not ok:
+            views[i].copy_(fetched.tensors[i])
+    return fetched.transport, fetched.copy_s + time.perf_counter() - copy_start, fetched.tensors
+
+
+def next_bucket(
+    channel: Channel, spec: PushSpec, parent: int, key: str, aborted: Callable[[int], None] | None
+) -> bytes:
+    """The message of the next bucket from ``parent``; a trainer that sends none within
+    ``stall_s`` stalled (the driver is told, to replace it)."""
+    from_trainer = parent < spec.trainers
+    try:
+        check = (lambda: aborted(parent)) if aborted is not None else None
+        return channel.recv(parent, key, timeout_s=spec.stall_s if from_trainer and spec.stall_s else None, check=check)
+    except PeerLostError as e:
+        if not from_trainer:
+            raise
+        raise TrainerLost(parent, str(e)) from e
+    except TransferTimeoutError as e:
+        if not from_trainer:
+            raise
+        report_stall(spec, parent)
+        raise TrainerLost(parent, f"trainer member {parent} stalled: no {key} within {spec.stall_s:g} s") from e
+
+
+def take_from(
+    channel: Channel,
+    spec: PushSpec,
+    parent: int,
+    bucket: tuple[BucketKind, bytes],
+    *,
+    views: list[torch.Tensor],
+    dtypes: list[torch.dtype],
+) -> tuple[str, float, list[torch.Tensor]]:
+    """:func:`_take` of a bucket from ``parent``; a trainer that died while it was read is lost
+    (the pieces read in part are not counted as arrived: the failover reads them again)."""
+    try:
+        return _take(channel, spec, bucket, views, dtypes)
+    except TensorwireError as e:
+        if parent < spec.trainers and not channel.alive(parent):
+            raise TrainerLost(parent, f"member {parent} exited while its bucket was read: {e}") from e
+        raise
+
+
+def acknowledge(channel: Channel, spec: PushSpec, parent: int, key: str) -> Callable[[], None]:
+    """Start acknowledging a bucket; the returned function waits for it. A trainer that died
+    meanwhile is not an error here: its next bucket's wait says so (or it had sent them all)."""
+    wait = channel.post(parent, key, b"")
+    if parent >= spec.trainers:
+        return wait
+
+    def done() -> None:
+        try:
+            wait()
+        except PeerLostError:
+            if channel.alive(parent):
+                raise
+
+    return done

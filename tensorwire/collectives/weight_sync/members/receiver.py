@@ -1,0 +1,256 @@
+"""A receiver's side of a push (hooks the driver calls through Ray).
+
+:func:`receive` runs the push in a receiver, in four steps:
+
+1. **in place only**: hold the fence and vote before the first write (:func:`_vote_first`);
+2. **read**: every stream it is in, level by level (bucket k of each, then k+1), into where
+   :func:`..commit.aside.destinations` says each piece lands (its tensors, their shadows, or a
+   float8 staging tensor), relaying each bucket on to its node-mates when it leads a node
+   (:class:`_Intake`); a trainer lost on one stream does not stop the others (the failover
+   reads what is missing);
+3. **vote**: with ``commit="all"`` (shadows), tell the driver the version is assembled and wait
+   for its decision (:func:`..commit.vote.vote`);
+4. **commit**: quantise float8 parameters, publish inside the fence, run ``on_commit``
+   (:func:`..commit.receiver.commit`).
+
+A receiver records the version only when every stream completed; on any failure it tells its
+parents (so that they stop waiting for it) and, in place, lets go of its fence (``TORN`` if it
+wrote part of the version) or keeps it for the failover's next try.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+
+from tensorwire.collectives.groups.channel import Channel
+from tensorwire.collectives.weight_sync.commit import aside
+from tensorwire.collectives.weight_sync.commit import receiver as commit
+from tensorwire.collectives.weight_sync.commit.receiver import weight_version
+from tensorwire.collectives.weight_sync.commit.vote import abort_check, vote
+from tensorwire.collectives.weight_sync.members.common import (
+    at_fault_point,
+    bucket_views,
+    channel_of,
+    fanouts_of,
+    load_spec,
+    member_tensors,
+    memo,
+    view,
+)
+from tensorwire.collectives.weight_sync.members.intake import acknowledge, next_bucket, take_from
+from tensorwire.collectives.weight_sync.protocol import messages
+from tensorwire.collectives.weight_sync.protocol.messages import BucketKind, parse_bucket_message
+from tensorwire.collectives.weight_sync.protocol.spec import BucketSpan, PushSpec, ReceiveResult, Region, Role
+from tensorwire.collectives.weight_sync.recovery import arrivals
+from tensorwire.collectives.weight_sync.streams.fanout import serving
+from tensorwire.collectives.weight_sync.streams.staging import checksum
+from tensorwire.errors import TensorwireError, TrainerLost
+from tensorwire.runtime.ray.hooks import actor_hook
+
+__all__ = ["abandon", "receive"]
+
+
+@actor_hook
+def receive(
+    actor: object, spec: PushSpec | bytes, version: int | None = None, channel: str | None = None
+) -> ReceiveResult:
+    """Hook, receiver: read every stream it is in into its tensors, serve the ones it leads,
+    and commit (see the module doc)."""
+    start = time.perf_counter()
+    spec = load_spec(spec, version, channel)
+    arrivals.start_receiving(spec)
+    intake = _Intake(spec)
+    try:
+        with serving(list(intake.fanouts.values()), f"relay {spec.rank}"):
+            refused = _receive_and_commit(actor, spec, intake)
+    finally:
+        intake.channel.close()
+    return intake.result(refused, time.perf_counter() - start)
+
+
+def _receive_and_commit(actor: object, spec: PushSpec, intake: _Intake) -> str | None:
+    """Steps 1-4 of the module doc; None once committed, else why not (the vote aborted)."""
+    try:
+        targets = member_tensors(actor, spec, "target")
+        if spec.in_place:
+            _vote_first(actor, spec)
+        dsts = aside.destinations(spec, targets)
+        intake.read_all(dsts)
+        return _commit(actor, spec, targets, dsts)
+    except _NotWriting as e:  # in place, and the vote aborted: nothing was written
+        intake.tell_parents(f"receiver {spec.rank}: not writing: {e}")
+        return str(e)
+    except BaseException as e:  # tell the parents, so that they stop waiting for this receiver
+        if spec.in_place and isinstance(e, TrainerLost):
+            commit.pause(spec)  # the fence stays held for the failover's next try
+        elif spec.in_place:
+            commit.let_go(spec.sync_id)  # torn, if it wrote part of the version
+        intake.tell_parents(f"receiver {spec.rank}: {type(e).__name__}: {e}")
+        raise
+
+
+def _commit(actor: object, spec: PushSpec, targets: list[torch.Tensor], dsts: list[torch.Tensor]) -> str | None:
+    """Quantise, vote (all-or-none with shadows), publish; None once committed, else why not."""
+    if not commit.committed_already(spec):
+        aside.quantise(spec, targets, dsts)
+    commit.check_commit(actor, spec)  # a missing fence or hook fails before the vote
+    refused = vote(spec) if spec.commit == "all" and not spec.in_place else None
+    if refused is None:
+        commit.commit(actor, spec, targets)
+    return refused
+
+
+class _NotWriting(TensorwireError):
+    """An in-place receiver's vote came back ``abort``: it writes nothing."""
+
+
+def _vote_first(actor: object, spec: PushSpec) -> None:
+    """In place: hold the fence and vote before the first write (once per version: a failover's
+    next try goes on writing).
+
+    Raises:
+        _NotWriting: The driver aborted the push (the fence is let go; nothing was written).
+    """
+    if commit.promised(spec) or commit.committed_already(spec):
+        return
+    commit.check_commit(actor, spec)  # a missing fence or hook fails before the vote
+    commit.hold_fence(actor, spec, voted=spec.voted)
+    if spec.voted:  # a failover's next try, for a receiver that let go (its hold ran out, say): write
+        return
+    refused = vote(spec)
+    if refused is not None:
+        commit.let_go(spec.sync_id)
+        raise _NotWriting(refused)
+    commit.mark_voted(spec)
+
+
+class _Intake:
+    """One push's reading in a receiver: every stream it is in, the relays it serves, what it
+    took in (for its :class:`ReceiveResult`) and the trainers it lost."""
+
+    def __init__(self, spec: PushSpec) -> None:
+        self.spec = spec
+        self.channel: Channel = channel_of(spec)
+        self.fanouts = fanouts_of(self.channel, spec)
+        self.aborted = abort_check(spec)
+        self.transfer_s = self.unpack_s = self.verify_s = 0.0
+        self.nbytes = 0
+        self.transports: dict[str, int] = {}
+        self.spans: list[BucketSpan] = []
+        self.acks: list[Callable[[], None]] = []
+        self.acked = {role.stream: 0 for role in spec.roles}  # stream -> buckets acknowledged
+        self.lost: dict[int, TrainerLost] = {}  # stream -> its trainer died or stalled: the others are still read
+
+    def read_all(self, dsts: list[torch.Tensor]) -> None:
+        """Every bucket of every stream, level by level (at most one level of acknowledgements
+        outstanding); raises the first trainer lost once the others are read."""
+        for k in range(max((len(r.buckets) for r in self.spec.roles), default=0)):
+            for role in self.spec.roles:
+                if k < len(role.buckets) and role.stream not in self.lost:
+                    self._take_bucket(role, k, dsts)
+            while len(self.acks) > len(self.spec.roles):
+                self.acks.pop(0)()
+            at_fault_point("receiver", k)
+        for ack in self.acks:
+            ack()
+        if self.lost:
+            raise next(iter(self.lost.values()))
+
+    def _take_bucket(self, role: Role, k: int, dsts: list[torch.Tensor]) -> None:
+        """Bucket ``k`` of ``role``'s stream: wait for it, copy it in, check it, record it,
+        acknowledge it, relay it."""
+        spec, what = self.spec, f"bucket {k} from member {role.parent}"
+        prepared = memo(role.buckets[k], lambda b: bucket_views(b, spec.layout))
+        views = [view(dsts[param], where) for param, where, _d in prepared]
+        dtypes = [dtype for _p, _w, dtype in prepared]
+        try:
+            message = next_bucket(self.channel, spec, role.parent, messages.bucket_key(role.stream, k), self.aborted)
+            kind, expected, payload = parse_bucket_message(message, what)
+            if kind is BucketKind.ABORT:
+                _raise_aborted(spec, role.parent, what, payload)
+            began, fetch_start = time.time(), time.perf_counter()
+            transport, slow_s, sent = take_from(
+                self.channel, spec, role.parent, (kind, payload), views=views, dtypes=dtypes
+            )
+        except TrainerLost as e:  # what the others send is kept for the failover
+            self.lost[role.stream] = e
+            if role.stream in self.fanouts:  # node-mates go on with their other streams too
+                self.fanouts[role.stream].abort(messages.RELAY_LOST_TRAINER + str(e))
+            return
+        took = time.perf_counter() - fetch_start
+        size = sum(v.numel() * d.itemsize for v, d in zip(views, dtypes, strict=True))
+        self._account(BucketSpan(role.parent, k, transport, began, took, size), slow_s)
+        if spec.verify:
+            self._verify(views, expected, what)
+        arrived = memo(role.buckets, lambda buckets: [_received(spec, b) for b in buckets])
+        arrivals.note_received(spec, arrived[k])
+        self.acks.append(acknowledge(self.channel, spec, role.parent, messages.ack_key(role.stream, k)))
+        self.acked[role.stream] = k + 1
+        if role.stream in self.fanouts:
+            self.fanouts[role.stream].offer(k, [(t, t.dtype) for t in sent], expected)
+
+    def _account(self, span: BucketSpan, slow_s: float) -> None:
+        self.transports[span.transport] = self.transports.get(span.transport, 0) + 1
+        self.unpack_s += slow_s
+        self.transfer_s += span.seconds - slow_s
+        self.nbytes += span.nbytes
+        self.spans.append(span)
+
+    def _verify(self, views: list[torch.Tensor], expected: int, what: str) -> None:
+        start = time.perf_counter()
+        intact = checksum(views) == expected
+        self.verify_s += time.perf_counter() - start
+        if not intact:
+            raise TensorwireError(f"{what}: checksum mismatch")
+
+    def tell_parents(self, reason: str) -> None:
+        """So that they stop waiting for this receiver's acknowledgements."""
+        for role in self.spec.roles:
+            with contextlib.suppress(TensorwireError):
+                key = messages.ack_key(role.stream, self.acked[role.stream])
+                self.channel.send(role.parent, key, reason.encode()[: messages.MAX_REASON_NBYTES])
+
+    def result(self, refused: str | None, seconds: float) -> ReceiveResult:
+        relay_failed: dict[int, str] = {}
+        for fanout in self.fanouts.values():
+            relay_failed.update(fanout.failed)
+        return ReceiveResult(
+            rank=self.spec.rank,
+            version=self.spec.version if refused is None else weight_version(self.spec.name),
+            nbytes=self.nbytes,
+            transfer_s=self.transfer_s,
+            unpack_s=self.unpack_s,
+            verify_s=self.verify_s,
+            seconds=seconds,
+            transports=self.transports,
+            relay_failed=relay_failed,
+            peak_nbytes=sum(f.peak_nbytes for f in self.fanouts.values()),
+            committed=refused is None,
+            refused=refused or "",
+            spans=tuple(self.spans),
+            aside_nbytes=aside.aside_nbytes(self.spec.sync_id),
+        )
+
+
+def _received(spec: PushSpec, bucket: tuple[Region, ...]) -> list[arrivals.Received]:
+    return [(spec.layout[r.param].name, r.wire_dtype, r.box.offsets, r.box.sizes) for r in bucket]
+
+
+def _raise_aborted(spec: PushSpec, parent: int, what: str, payload: bytes) -> None:
+    """Raise for an ``ABORT`` from channel rank ``parent``: ``TrainerLost`` when a relay lost its
+    trainer, or (in place, where a failover replaces a trainer that failed too) a trainer failed."""
+    why = payload.decode(errors="replace")
+    if why.startswith(messages.RELAY_LOST_TRAINER) or (spec.in_place and parent < spec.trainers):
+        raise TrainerLost(parent if parent < spec.trainers else -1, f"{what} will not come: {why}")
+    raise TensorwireError(f"{what} will not come: {why}")
+
+
+@actor_hook
+def abandon(_actor: object, sync_id: str) -> None:
+    """Hook, receiver: the driver gave up an in-place push: let go of the fence (the receiver is
+    ``TORN`` if it wrote part of the version)."""
+    commit.let_go(sync_id)

@@ -1,0 +1,247 @@
+"""One try of a push, in the driver: from :meth:`..sync.WeightSync.push` to every member's answer.
+
+:func:`run_try` does it in named steps:
+
+1. **prepare** (:func:`_prepared`): each member's spec, worked out once per set of live
+   receivers and kept between pushes (:mod:`.protocol.assign`); whether the receivers write in
+   place (``aside="none"`` with a second source for every byte) or assemble aside;
+2. **start**: the trainers' ``send`` and the receivers' ``receive`` hooks (:mod:`.members`),
+   and the vote of an all-or-none push (:class:`.commit.vote.Vote`);
+3. **wait** (:class:`.commit.push_wait.PushWait`): the progress bar, the vote decided while
+   they run, stalls reported by receivers (:mod:`.recovery.stalls`);
+4. **collect**: the receivers' results into the :class:`.report.summary.SyncReport` (failures by
+   kind), then the trainers': a trainer that died or stalled raises ``TrainerLost`` (the caller
+   fails over, :mod:`.recovery.failover`), one that failed raises its error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
+
+from tensorwire.collectives.weight_sync.commit.push_wait import PushWait
+from tensorwire.collectives.weight_sync.commit.state import PushState
+from tensorwire.collectives.weight_sync.commit.vote import Vote
+from tensorwire.collectives.weight_sync.members import receiver, trainer
+from tensorwire.collectives.weight_sync.planning.plan import Arrived
+from tensorwire.collectives.weight_sync.protocol.assign import SyncSettings, member_specs
+from tensorwire.collectives.weight_sync.protocol.messages import ReceiverFailure
+from tensorwire.collectives.weight_sync.protocol.spec import ReceiveResult, Role
+from tensorwire.collectives.weight_sync.recovery.failover import two_sources
+from tensorwire.collectives.weight_sync.report.summary import SyncReport
+from tensorwire.collectives.weight_sync.report.telemetry import pairs_of, record
+from tensorwire.errors import TrainerLost
+from tensorwire.runtime.ray import calls
+from tensorwire.runtime.ray.hooks import call_hook
+
+__all__ = ["Prepared", "PushingSync", "abandon", "run_try"]
+
+logger = logging.getLogger(__name__)
+
+
+class PushingSync(SyncSettings, Protocol):
+    """What a try reads of its :class:`..sync.WeightSync` besides its settings."""
+
+    aside: str
+    state: PushState
+    prepared: Prepared | None
+    receiver_actors: dict[int, Any]
+    nbytes: int
+
+    def next_channel(self) -> str: ...
+
+    def trainer_name(self, position: int) -> str: ...
+
+
+class Prepared(NamedTuple):
+    """A push's setup, kept between pushes over the same receivers (``key``)."""
+
+    key: Any
+    in_place: bool
+    blobs: dict[int, bytes]
+    roles: dict[int, tuple[Role, ...]]
+    buckets: int
+
+
+class _Started(NamedTuple):
+    """The calls of one try: the trainers' (in rank order) and the receivers' (by id)."""
+
+    channel: str
+    trainers: list[Any]
+    receivers: dict[int, Any]
+    vote: Vote | None
+    started: float
+    start: float
+
+
+def run_try(
+    sync: PushingSync,
+    live: tuple[int, ...],
+    version: int,
+    have: Mapping[int, Arrived] | None = None,
+    *,
+    catch_up: bool = False,
+) -> SyncReport:
+    """Push the trainers' tensors into the ``live`` receivers as ``version`` (``have``: pieces
+    they hold already, after a failover: not kept for the next push; ``catch_up``: to a
+    newcomer alone, which serves nothing yet: in place even from a single source).
+
+    Raises:
+        TrainerLost: A trainer died or stalled (its position; ``.report``).
+        Exception: A trainer failed (Ray's error carrying it, with ``.report``), or a wait timed out.
+    """
+    if have is None:
+        sync.state.first_try()  # (in place, it votes)
+    prepared = _prepared(sync, live, have, catch_up)
+    m = len(sync.trainers)
+    running = _start(sync, live, version, prepared)
+    members = {ref: sync.trainer_name(i) for i, ref in enumerate(running.trainers)}
+    members.update({ref: f"receiver {rid}" for rid, ref in running.receivers.items()})
+    trainer_roles = [role for rank in range(m) for role in prepared.roles[rank]]
+    waiting = PushWait(version, prepared.buckets, sync.plan.nbytes, progress=sync.progress, timeout_s=sync.timeout_s)
+    try:
+        stalls = waiting.wait(members, running.channel, trainer_roles, running.vote, running.trainers)
+    finally:
+        if prepared.in_place and running.vote is not None and running.vote.committed:
+            sync.state.promise()  # the receivers write it: from here on, only forward
+    report = SyncReport(version, sync.nbytes, prepared.buckets, time.perf_counter() - running.start, 0.0, 0.0, 0.0, 0.0)
+    _collect_receivers(sync, report, running.receivers)
+    names = {i: sync.trainer_name(i) for i in range(m)} | {m + i: f"receiver {r}" for i, r in enumerate(live)}
+    failed = [f"receiver {r}" for r, kind in report.failure_kinds.items() if kind.fault_of_its_own]
+    report.kept_nbytes = report.plan_nbytes - report.moved_nbytes if have is not None else 0
+    for i, reporter in stalls.items():
+        _telemetry(sync, report, names, running.started, [*failed, sync.trainer_name(i)])
+        why = f"stalled: {names.get(int(reporter), reporter)} got no bucket from it in {sync.stall_s:g} s"
+        raise _trainer_lost(sync, report, i, why)
+    wrote_all = all(r in report.receivers or r in sync.state.dead for r in live)
+    committed = wrote_all if prepared.in_place else running.vote is not None and running.vote.committed
+    _collect_trainers(sync, report, running, committed=committed, failed=failed, names=names)
+    _telemetry(sync, report, names, running.started, failed, retry=have is not None)
+    return report
+
+
+def _prepared(sync: PushingSync, live: tuple[int, ...], have: Mapping[int, Arrived] | None, catch_up: bool) -> Prepared:
+    """Each member's spec for this try (kept between pushes over the same receivers; a
+    failover's try, with ``have``, is not kept)."""
+    key = (live, sync.progress, catch_up) if have is None else None
+    if have is None and sync.prepared is not None and sync.prepared.key == key:
+        return sync.prepared
+    voted = sync.state.promised
+    in_place = voted or (sync.aside == "none" and (catch_up or two_sources(sync, live)))
+    if sync.aside == "none" and not in_place:
+        logger.warning("weight sync %s: some bytes have one trainer left: assembled aside", sync.name)
+    blobs, roles, buckets = member_specs(sync, live, have, in_place=in_place, voted=voted)
+    sync.prepared = Prepared(key, in_place, blobs, roles, buckets)
+    return sync.prepared
+
+
+def _start(sync: PushingSync, live: tuple[int, ...], version: int, prepared: Prepared) -> _Started:
+    """Start every member's hook, and the vote of an all-or-none push."""
+    channel = sync.next_channel()
+    m = len(sync.trainers)
+    started, start = time.time(), time.perf_counter()
+    blobs = prepared.blobs
+    trainer_refs = [call_hook(t, trainer.send, blobs[i], version, channel) for i, t in enumerate(sync.trainers)]
+    receiver_refs = {
+        r: call_hook(sync.receiver_actors[r], receiver.receive, blobs[m + i], version, channel)
+        for i, r in enumerate(live)
+    }
+    vote = None
+    if sync.commit == "all" and not sync.state.promised:  # (in place, a failover's next try: voted already)
+        ranks = {m + i: sync.receiver_descriptions[r][0] for i, r in enumerate(live)}
+        vote = Vote(channel, ranks, timeout_s=sync.timeout_s)
+    return _Started(channel, trainer_refs, receiver_refs, vote, started, start)
+
+
+def _collect_receivers(sync: PushingSync, report: SyncReport, refs: dict[int, Any]) -> None:
+    """Each receiver's result into ``report``: committed, or in ``failed`` by kind."""
+    for rid in sync.state.dead:
+        report.fail(rid, ReceiverFailure.LEFT_OUT, "left out: it died in an earlier push")
+    for rid, ref in refs.items():
+        outcome = calls.settle(ref, timeout_s=sync.timeout_s)
+        if outcome.failure is calls.CallFailure.ACTOR_DIED:
+            sync.state.dead.add(rid)
+            report.fail(rid, ReceiverFailure.DIED, f"the receiver died: {outcome.reason}")
+            continue
+        if outcome.failure is calls.CallFailure.FAILED:
+            report.fail(rid, ReceiverFailure.FAILED, outcome.reason)
+            continue
+        if outcome.error is not None:  # timed out
+            raise outcome.error
+        result: ReceiveResult = outcome.value
+        if not result.committed:
+            report.fail(rid, ReceiverFailure.NOT_COMMITTED, f"not committed: {result.refused}")
+            continue
+        report.receivers[rid] = result
+        report.moved_nbytes += result.nbytes
+        report.plan_nbytes += sync.plan.receiver_nbytes_of(rid)
+        report.transfer_s = max(report.transfer_s, result.transfer_s)
+        report.unpack_s = max(report.unpack_s, result.unpack_s)
+        report.verify_s = max(report.verify_s, result.verify_s)
+        report.aside_nbytes = max(report.aside_nbytes, result.aside_nbytes)
+
+
+def _collect_trainers(
+    sync: PushingSync,
+    report: SyncReport,
+    started: _Started,
+    *,
+    committed: bool,
+    failed: list[str],
+    names: dict[int, str],
+) -> None:
+    """Each trainer's result into ``report``; a trainer lost before the receivers committed
+    raises ``TrainerLost``, one that failed its own error (after the telemetry of the try).
+    One that died after they committed is only named: the next push replaces it."""
+    for i, ref in enumerate(started.trainers):
+        outcome = calls.settle(ref, timeout_s=sync.timeout_s)
+        if outcome.failure is calls.CallFailure.ACTOR_DIED and committed:
+            failed.append(sync.trainer_name(i))
+            continue
+        if not outcome.ok:
+            _telemetry(sync, report, names, started.started, [*failed, sync.trainer_name(i)])
+        if outcome.failure is calls.CallFailure.ACTOR_DIED:
+            raise _trainer_lost(sync, report, i, f"died during the push: {outcome.reason}") from None
+        if outcome.failure is calls.CallFailure.FAILED and sync.state.promised:  # in place: only forward
+            raise _trainer_lost(sync, report, i, f"failed during the push: {outcome.reason}") from None
+        if outcome.error is not None:  # the trainer failed (Ray's error carrying it), or timed out
+            outcome.error.report = report  # type: ignore[attr-defined]
+            raise outcome.error
+        report.pack_s = max(report.pack_s, outcome.value.pack_s)
+        report.peak_staging_nbytes = max(report.peak_staging_nbytes, outcome.value.peak_nbytes)
+        report.in_place_nbytes += outcome.value.in_place_nbytes
+
+
+def _trainer_lost(sync: PushingSync, report: SyncReport, i: int, what: str) -> TrainerLost:
+    """The error of a try whose trainer ``i`` died or stalled (a failover may replace it)."""
+    why = f"weight sync v{report.version}: {sync.trainer_name(i)} ({sync.trainers[i]!r}) {what}"
+    return TrainerLost(i, why, report=report)
+
+
+def _telemetry(
+    sync: PushingSync,
+    report: SyncReport,
+    names: dict[int, str],
+    started: float,
+    failed: list[str],
+    *,
+    retry: bool = False,
+) -> None:
+    """The try's per-pair view (report.pairs, report.timeline), added to the Prometheus totals."""
+    report.pairs, report.timeline = pairs_of(report.receivers, names, started, failed, retry=retry)
+    record(sync.name, report.pairs)
+
+
+def abandon(sync: PushingSync, live: tuple[int, ...]) -> None:
+    """A push that fails after in-place receivers voted: they let go of their fences (those
+    that wrote part of the version are ``TORN``: the next push mends them)."""
+    if not sync.state.promised:
+        return
+    refs = [
+        call_hook(sync.receiver_actors[r], receiver.abandon, sync.sync_id) for r in live if r not in sync.state.dead
+    ]
+    done, _late = calls.wait_all(refs, timeout_s=sync.timeout_s)
+    for ref in done:
+        calls.settle(ref, timeout_s=1.0)  # (one that died or failed let go by itself)

@@ -1,0 +1,432 @@
+"""``tw.WeightSync``: push M trainers' weights into N receivers' tensors along a plan.
+
+::
+
+    sync = tw.WeightSync(trainers, receivers)     # actors made with @tw.remote; plan computed here
+    print(sync.plan)                              # bytes per trainer -> receiver pair, totals
+    report = sync.push()                          # every receiver now holds version 1
+    sync.close()                                  # frees the staging memory
+
+Each actor describes its pieces of every parameter (:mod:`.planning.layout`: plain tensors are
+whole, DTensors and ``tw.collective.Sharded`` say which piece they are); the driver computes the
+plan once (:mod:`.planning.plan`: renames, fused parameters, dtype conversion, load spread over
+trainers that hold the same piece) and each push moves exactly the plan's bytes, all pairs at
+once, in buckets of about ``bucket_bytes`` with at most two buckets staged per stream
+(:mod:`.planning.buckets`, :mod:`.streams`; the actors' side in :mod:`.members`). One trainer
+into identical receivers is the M = 1 case.
+
+Versions: ``push()`` publishes the next version on every receiver or on none (``commit="all"``,
+the default): each receiver assembles it in a shadow copy (one copy of its parameters, kept
+across pushes), tells the driver, and publishes it with one local copy inside a fence (``fence=``
+names an attribute of the receiver giving a lock or context manager; default
+``tw.collective.weight_fence(name)``) once the driver saw every receiver ready; on any failure
+every receiver keeps the version it had, bit for bit (:mod:`.commit`). ``commit="each"``: each
+receiver commits on its own, in place (no shadow) unless ``atomic=True`` (a shadow, published
+inside the fence). ``aside="none"`` (every byte held by two trainers): all-or-none with no
+shadow, receivers voting before they write in place inside their fence (:mod:`.commit.fence`).
+``on_commit`` runs in a receiver once per version it commits; ``wait_version(v)`` waits in the
+driver until every receiver holds ``v``.
+
+Membership: ``add_receiver`` / ``remove_receiver`` between pushes (:mod:`.recovery.late_joiners`).
+A receiver that dies mid-push is dropped (``report.failed``); a trainer that fails fails the
+push; one that dies or stalls is replaced when the others hold its bytes: the push reads what is
+missing from them (:mod:`.recovery.failover`). One try of a push: :mod:`.push`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tensorwire.collectives.groups.api import DEFAULT_TIMEOUT_S, check_actors, describe_actors
+from tensorwire.collectives.weight_sync.commit import versions as receiver_versions
+from tensorwire.collectives.weight_sync.commit.state import PushState
+from tensorwire.collectives.weight_sync.members.common import layout_hook, release_hook
+from tensorwire.collectives.weight_sync.planning.buckets import DEFAULT_BUCKET_BYTES
+from tensorwire.collectives.weight_sync.planning.layout import ParamPiece
+from tensorwire.collectives.weight_sync.planning.plan import Arrived, Fuse, NameMap, Plan
+from tensorwire.collectives.weight_sync.push import Prepared, abandon, run_try
+from tensorwire.collectives.weight_sync.recovery import failover, late_joiners
+from tensorwire.collectives.weight_sync.recovery.failover import two_sources
+from tensorwire.collectives.weight_sync.report.summary import SyncReport
+from tensorwire.collectives.weight_sync.report.telemetry import failover_pairs, record
+from tensorwire.errors import TrainerLost
+from tensorwire.runtime.ray import calls
+from tensorwire.runtime.ray.actor import ActorHandle
+from tensorwire.runtime.ray.hooks import call_hook
+from tensorwire.transport.config import validate_timeout
+
+__all__ = ["WeightSync"]
+
+logger = logging.getLogger(__name__)
+
+
+class WeightSync:
+    """Push trainer actors' tensors into receiver actors' tensors (see the module doc).
+
+    Args:
+        trainers: The actor (or actors, each holding pieces) with the weights (``@tw.remote``).
+        receivers: The actors to update.
+        source: Attribute or method of the trainers giving an ``nn.Module`` or a dict of
+            tensors, DTensors or ``Sharded`` pieces; default: their ``state_dict()`` method
+            when they have one, else their ``model``.
+        target: The same on the receivers (default: ``source``).
+        rename: Trainer name -> receiver name (dict, or a function; None from it: not synced).
+        fuse: Receiver name -> ``Fuse`` (or the trainer part names, fused along dim 0).
+        scales: Receiver float8 parameter -> the receiver tensor that gets its per-tensor scale.
+        transform: ``f(trainer name, piece) -> piece`` of the same shape, run on the trainer.
+        atomic: Publish each version at once inside the receivers' fence (see the module doc).
+        fence: Name of the receivers' attribute giving the fence (a lock or context manager).
+        commit: ``"all"``: a version becomes every receiver's or none's (each assembles it aside,
+            like ``atomic``, and commits when all have it; on any failure all keep the one they
+            had); ``"each"``: every receiver commits on its own (in place unless ``atomic``).
+        aside: Where an all-or-none version is assembled. ``"shadow"``: a copy of each
+            receiver's parameters (kept between pushes; readers wait for one local copy).
+            ``"none"``: in the receivers' tensors, inside their fence held from their vote
+            (before the first write) until they publish: no memory aside (float8 staging
+            apart), readers wait the whole push; needs every byte held by two trainers, so that
+            a lost one is replaced (a push with one source for some bytes uses a shadow).
+        on_commit: Run in a receiver once per version it commits: the name of its method
+            (called with the version) or a function ``f(actor, version)``.
+        bucket_bytes: Bucket size; extra memory is about two buckets per stream and relay.
+        transport: "auto" (the selector, per receiver) or a transport name for every fetch.
+        verify: Checksum every bucket and check it in the receivers.
+        progress: Show a progress bar on stderr (default: when stderr is a terminal).
+        name: Name of this sync, for ``weight_version(name)`` in the receivers.
+        timeout_s: Deadline of each wait inside a push (setup included).
+        stall_s: A trainer that sends a receiver no next bucket for this long stalled: it is
+            replaced like a dead one (default: half of ``timeout_s``; must be below it).
+
+    Attributes:
+        version: The last version pushed (or being pushed).
+        committed: The last version the receivers hold (all-or-none: every live one).
+        state: The push's version state (:class:`.commit.state.PushState`).
+    """
+
+    def __init__(
+        self,
+        trainers: ActorHandle | Sequence[ActorHandle],
+        receivers: Sequence[ActorHandle],
+        *,
+        source: str | None = None,
+        target: str | None = None,
+        rename: Mapping[str, str] | Callable[[str], str | None] | None = None,
+        fuse: Mapping[str, Fuse | Sequence[str]] | None = None,
+        scales: Mapping[str, str] | None = None,
+        transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+        atomic: bool = False,
+        fence: str | None = None,
+        commit: str = "all",
+        aside: str = "shadow",
+        on_commit: str | Callable[[Any, int], None] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        transport: str = "auto",
+        verify: bool = False,
+        progress: bool | None = None,
+        name: str = "weights",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        stall_s: float | None = None,
+    ) -> None:
+        trainers = (trainers,) if isinstance(trainers, ActorHandle) else tuple(trainers)
+        check_actors([*trainers, *receivers], "WeightSync (trainers and receivers)")
+        stall_s = _checked_settings(
+            trainers,
+            receivers,
+            bucket_bytes=bucket_bytes,
+            commit=commit,
+            aside=aside,
+            atomic=atomic,
+            on_commit=on_commit,
+            transport=transport,
+            timeout_s=timeout_s,
+            stall_s=stall_s,
+        )
+        self.trainers = trainers
+        self.source = source
+        self.target = target or source
+        self.bucket_bytes = bucket_bytes
+        self.transport = "" if transport == "auto" else transport
+        self.verify = verify
+        self.atomic = atomic
+        self.fence = fence
+        self.commit = commit
+        self.aside = aside
+        self.on_commit = on_commit
+        self.transform = transform
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.name = name
+        self.timeout_s = timeout_s
+        self.stall_s = stall_s
+        self._start_empty()
+        self._describe_trainers(NameMap.build(rename, fuse, scales))
+        for actor in receivers:
+            self.add_receiver(actor)
+        self._check_aside()
+
+    def _start_empty(self) -> None:
+        """No push yet, no receiver yet."""
+        self.state = PushState()
+        self.prepared: Prepared | None = None  # the last push's setup (kept between pushes)
+        self.sync_id = f"{id(self):x}-{time.monotonic_ns():x}"
+        self.caught_up: dict[int, str] = {}  # receiver id -> where its first version came from
+        self.receiver_actors: dict[int, ActorHandle] = {}
+        self.receiver_descriptions: dict[int, tuple[bytes, int]] = {}
+        self._layouts: dict[int, tuple[ParamPiece, ...]] = {}
+        self._next_id = 0
+        self._pushes = 0
+        self._closed = False
+
+    def _check_aside(self) -> None:
+        if self.aside == "none" and not two_sources(self, tuple(self.receiver_actors)):
+            raise ValueError(
+                "aside='none' needs every receiver byte held by two trainers (replicas), so that a trainer "
+                "lost mid-push can be replaced; here some have one: use aside='shadow'"
+            )
+
+    def _describe_trainers(self, mapping: NameMap) -> None:
+        """Each trainer's pieces and address, and the plan over them (receivers come next)."""
+        refs = [call_hook(t, layout_hook, self.source, "source") for t in self.trainers]
+        self.trainer_layouts = [tuple(layout) for layout in calls.gather(refs, timeout_s=self.timeout_s)]
+        self.trainer_descriptions = describe_actors(self.trainers, self.timeout_s)
+        self._trainer_ids = list(range(len(self.trainers)))  # names stay when a trainer drops out
+        self.plan = Plan(self.trainer_layouts, mapping)
+
+    @property
+    def version(self) -> int:
+        """The last version pushed (or being pushed)."""
+        return self.state.version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        self.state.version = version
+
+    @property
+    def committed(self) -> int:
+        """The last version the receivers hold (all-or-none: every live receiver; ``"each"``: one)."""
+        return self.state.committed
+
+    # ------------------------------------------------------------------ membership
+
+    @property
+    def receivers(self) -> tuple[ActorHandle, ...]:
+        """The receivers, in the order they joined (dead ones until removed)."""
+        return tuple(self.receiver_actors.values())
+
+    @property
+    def receiver_layouts(self) -> dict[int, tuple[ParamPiece, ...]]:
+        """Receiver id -> the pieces it described (what its plan was made from)."""
+        return dict(self._layouts)
+
+    @property
+    def receiver_ids(self) -> tuple[int, ...]:
+        """The receivers' ids, in the order of :attr:`receivers` and :meth:`versions`."""
+        return tuple(self.receiver_actors)
+
+    @property
+    def nbytes(self) -> int:
+        """The largest receiver's bytes per push."""
+        return max(self.plan.receiver_nbytes().values(), default=0)
+
+    def add_receiver(self, actor: ActorHandle, *, catch_up: bool = True) -> int:
+        """Plan a new receiver (between pushes); the others' plans stay. Returns its id (the
+        key of its entries in reports) once it holds the last committed version (``catch_up``,
+        when there is one): copied from a live receiver with the same layout that holds it,
+        sparing the trainers, else pushed from the trainers (their tensors as they are now:
+        that version while they did not change since). ``caught_up[id]`` says which."""
+        if self._closed:
+            raise RuntimeError("this WeightSync was closed")
+        check_actors([*self.trainers, *self.receiver_actors.values(), actor], "WeightSync.add_receiver")
+        (layout,) = calls.gather([call_hook(actor, layout_hook, self.target, "target")], timeout_s=self.timeout_s)
+        layout = tuple(layout)
+        description = describe_actors([actor], self.timeout_s)[0]
+        receiver = self._next_id
+        self.plan.add_receiver(receiver, layout)
+        self._next_id += 1
+        self.receiver_actors[receiver] = actor
+        self._layouts[receiver] = layout
+        self.receiver_descriptions[receiver] = description
+        if catch_up and self.committed:
+            try:
+                push_to = functools.partial(run_try, self, catch_up=True)
+                self.caught_up[receiver] = late_joiners.catch_up(self, receiver, push_to, self.state.dead)
+            except BaseException:
+                self.remove_receiver(receiver)
+                raise
+        return receiver
+
+    def remove_receiver(self, receiver: ActorHandle | int, *, timeout_s: float = 30.0) -> None:
+        """Drop a receiver (by handle or id) between pushes; frees what it kept (if alive)."""
+        rid = receiver if isinstance(receiver, int) else self._id_of(receiver)
+        if rid not in self.receiver_actors:
+            raise ValueError(f"receiver {receiver!r} is not in this WeightSync")
+        actor = self.receiver_actors.pop(rid)
+        self.plan.remove_receiver(rid)
+        for table in (self._layouts, self.receiver_descriptions):
+            table.pop(rid, None)
+        if rid not in self.state.dead:
+            # died or late: nothing left to free there (passed over); the hook itself failing is raised
+            outcome = calls.settle(call_hook(actor, release_hook, self.sync_id), timeout_s=timeout_s)
+            if outcome.failure is calls.CallFailure.FAILED and outcome.error is not None:
+                raise outcome.error
+        self.state.dead.discard(rid)
+
+    def _id_of(self, actor: ActorHandle) -> int:
+        for rid, known in self.receiver_actors.items():
+            if calls.same_actor(known, actor):
+                return rid
+        raise ValueError(f"{actor!r} is not a receiver of this WeightSync")
+
+    # ------------------------------------------------------------------ pushing
+
+    def push(self) -> SyncReport:
+        """Push the trainers' current tensors as the next version; returns the report.
+
+        Receivers that die or fail are listed in ``report.failed`` (and left out of later
+        pushes if they died); the others are complete.
+
+        A trainer that dies or stalls mid-push is dropped and the rest runs again from the
+        others when they hold every receiver's bytes (``report.replaced``, ``kept_nbytes``).
+
+        Raises:
+            TrainerLost: A trainer died or stalled with no other trainer holding its bytes (its
+                position, why, and ``.report`` with what the receivers did).
+            TensorwireError: A trainer failed (the message names it; ``.report``).
+        """
+        if self._closed:
+            raise RuntimeError("this WeightSync was closed")
+        version = self.state.start()
+        replaced: dict[str, str] = {}
+        lost: dict[tuple[str, str], int] = {}  # (replaced trainer, receiver) -> failovers
+        have: dict[int, Arrived] | None = None
+        start = time.perf_counter()
+        while True:
+            live = self._live()
+            try:
+                try:
+                    report = run_try(self, live, version, have)
+                    break
+                except TrainerLost as e:  # complete from the others if they can
+                    refused = failover.fail_over(self, e, replaced, lost)
+                    if refused is not None:
+                        raise refused from None
+            except BaseException:
+                abandon(self, live)
+                self.state.finish(committed=False)
+                raise
+            actors = {r: self.receiver_actors[r] for r in live}
+            have = failover.arrived(self.sync_id, version, actors, self._layouts, timeout_s=self.timeout_s)
+        report.replaced, report.seconds = replaced, time.perf_counter() - start  # every try
+        report.pairs.update(failover_pairs(lost))
+        record(self.name, failover_pairs(lost))
+        self.state.finish(committed=self._committed(report))
+        return report
+
+    def _live(self) -> tuple[int, ...]:
+        return tuple(r for r in self.receiver_actors if r not in self.state.dead)
+
+    def _committed(self, report: SyncReport) -> bool:
+        """Whether the receivers hold the version of ``report`` (all-or-none: none of them
+        failed; in place, once voted, one that failed or died after is torn or gone: the
+        others hold it)."""
+        if not report.receivers:
+            return False
+        failed = any(kind.ends_the_version for kind in report.failure_kinds.values())
+        return self.commit == "each" or self.state.promised or not failed
+
+    def next_channel(self) -> str:
+        """A new channel name for one try of a push."""
+        self._pushes += 1
+        return f"tw-sync-{self.sync_id}-{self._pushes}"
+
+    def trainer_name(self, position: int) -> str:
+        """How reports name the trainer at ``position`` (its index when the sync was made)."""
+        return f"trainer {self._trainer_ids[position]}"
+
+    def drop_trainer(self, position: int, plan: Plan) -> None:
+        """Leave the trainer at ``position`` out from now on, with ``plan`` over the others (a
+        failover); the next try works its setup out again."""
+        keep = [i for i in range(len(self.trainers)) if i != position]
+        self.trainers = tuple(self.trainers[i] for i in keep)
+        self.trainer_layouts = [self.trainer_layouts[i] for i in keep]
+        self.trainer_descriptions = [self.trainer_descriptions[i] for i in keep]
+        self._trainer_ids = [self._trainer_ids[i] for i in keep]
+        self.plan, self.prepared = plan, None  # staging and shadows stay: the next try reuses them
+
+    # ------------------------------------------------------------------ state
+
+    def versions(self) -> list[int]:
+        """The version each receiver holds completely (0: none yet; -1: unreachable)."""
+        return receiver_versions.versions(self.receiver_actors, self.name)
+
+    def wait_version(self, version: int, *, timeout_s: float = 60.0) -> list[int]:
+        """Wait until every receiver not known dead holds ``version`` or a later one; returns
+        what each holds (as :meth:`versions`).
+
+        Raises:
+            TimeoutError: Some did not within ``timeout_s`` (named, with what they hold).
+        """
+        return receiver_versions.wait_version(
+            self.receiver_actors, self.name, version, dead=self.state.dead, timeout_s=timeout_s
+        )
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Free the staging memory the sync keeps between pushes (two buckets of shared memory
+        per stream a process serves, the receivers' mappings of them and atomic shadows). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        refs = [call_hook(a, release_hook, self.sync_id) for a in (*self.trainers, *self.receiver_actors.values())]
+        # One deadline for all (bounded whatever the number of actors); late ones are named.
+        done, late = calls.wait_all(refs, timeout_s=validate_timeout(timeout_s))
+        for ref in done:
+            calls.settle(ref, timeout_s=1.0)  # a member that died or failed has nothing left to free
+        if late:
+            logger.warning("weight sync %s: %d actor(s) did not release within %.0f s", self.name, len(late), timeout_s)
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def _checked_settings(
+    trainers: tuple[ActorHandle, ...],
+    receivers: Sequence[ActorHandle],
+    *,
+    bucket_bytes: int,
+    commit: str,
+    aside: str,
+    atomic: bool,
+    on_commit: object,
+    transport: str,
+    timeout_s: float,
+    stall_s: float | None,
+) -> float:
+    """Raise for settings that cannot work together; returns ``stall_s`` (its default filled in)."""
+    if not trainers:
+        raise ValueError("WeightSync needs at least one trainer")
+    if not receivers:
+        raise ValueError("WeightSync needs at least one receiver")
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be a positive number of bytes")
+    if commit not in ("all", "each"):
+        raise ValueError(f"commit={commit!r}: expected 'all' (every receiver or none) or 'each' (each on its own)")
+    if aside not in ("shadow", "none") or (aside == "none" and (commit != "all" or atomic)):
+        raise ValueError(f"aside={aside!r}: expected 'shadow', or 'none' with commit='all' (and no atomic)")
+    if on_commit is not None and not (isinstance(on_commit, str) and on_commit) and not callable(on_commit):
+        raise TypeError("on_commit must name a receiver method or be a function f(actor, version)")
+    stall_s = timeout_s / 2 if stall_s is None else validate_timeout(stall_s)
+    if stall_s >= timeout_s:
+        raise ValueError(f"stall_s={stall_s:g} must be below timeout_s={timeout_s:g} (how long trainers wait)")
+    if transport != "auto":
+        from tensorwire.transport import registry
+
+        registry.get_transport_class(transport)  # unknown names: "did you mean"
+    return stall_s
