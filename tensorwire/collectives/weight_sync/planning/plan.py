@@ -389,9 +389,8 @@ class Plan:
         if self.loads:
             lines.append(f"  per trainer: min {nbytes_text(min(self.loads))}, max {nbytes_text(max(self.loads))}")
         if receiver_bytes:
-            lines.append(
-                f"  per receiver: min {nbytes_text(min(receiver_bytes.values()))}, max {nbytes_text(max(receiver_bytes.values()))}"
-            )
+            low, high = min(receiver_bytes.values()), max(receiver_bytes.values())
+            lines.append(f"  per receiver: min {nbytes_text(low)}, max {nbytes_text(high)}")
         lines.append(
             f"  at {rank_gbps:g} GB/s per rank: modelled push {_duration(self.modelled_push_s(rank_gbps))}, "
             f"bound {_duration(self.bound_s(rank_gbps))}"
