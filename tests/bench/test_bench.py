@@ -390,7 +390,7 @@ def test_ray_rdt_over_nixl_runs_on_its_own_actors_which_go_after_its_rounds(monk
 
     monkeypatch.setattr(actors, "_gather", list)
     monkeypatch.setattr(actors, "_measure", measure)
-    monkeypatch.setattr(actors.ray_paths, "kill", killed.append)
+    monkeypatch.setattr(actors.ray_baselines, "kill", killed.append)
     options = Options(sizes=[4096, 64 << 20])
     with pytest.raises(RuntimeError, match="a round failed"):
         actors._ray_nixl(Node(), options, progress=None)
