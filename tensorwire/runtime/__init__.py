@@ -1,4 +1,5 @@
-"""References and the actor runtime (the only layer that may import Ray).
+"""References and the actor runtime (the only layer of the library that imports Ray; the bench's
+baselines of Ray's own transports, ``bench/ray_baselines.py``, do too).
 
 ``refs/``: what works without Ray (references, reading, placement, repeats, values, ``put``/
 ``get``); ``ray/``: the Ray integration (start, calls, actors and handles, the registered Ray

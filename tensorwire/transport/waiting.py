@@ -1,14 +1,14 @@
 """The one way tensorwire waits: until something is done, a deadline passes, or a check says
 waiting is pointless (the peer's process exited, the object was freed).
 
-Every wait on a transfer, a message or a peer goes through :func:`wait_until`: a transfer's
-completion (two-sided posted operations, gloo works, NIXL READs, an NCCL group's first message), a
-rendezvous key, a message from a group member, a producer waiting for consumers to let go of a
-tensor. (Waits on Ray calls, ``tw.wait`` and the weight-sync driver's, are Ray's own ``ray.wait``
-in slices.) Each bounds the wait by its deadline and runs its ``check`` every
-:data:`STATE_CHECK_EVERY_S` (the check raises ``PeerLostError``, ``OwnerDiedError``, ...), so a peer
-that dies turns into an error within a quarter second on one machine instead of a wait for the
-whole deadline.
+Waits on a transfer, a message or a peer go through :func:`wait_until`: a two-sided transfer's
+posted operations, gloo works, an NCCL group's first message, a message from a group member (the
+channel looks every 50 ms), a producer waiting for consumers to let go of a tensor. (nixl polls its
+READs in its own loop; the rendezvous mailbox waits on a condition; waits on Ray calls, ``tw.wait``
+and the weight-sync driver's, are Ray's own ``ray.wait`` in slices.) Each bounds the wait by its
+deadline and runs its ``check`` every :data:`STATE_CHECK_EVERY_S` unless told otherwise (the check
+raises ``PeerLostError``, ``OwnerDiedError``, ...), so a peer that dies turns into an error within a
+quarter second on one machine instead of a wait for the whole deadline.
 """
 
 from __future__ import annotations

@@ -106,6 +106,19 @@ def stall_at(role: str, k: int) -> None:
     tw.collective.set_fault_point(hook)
 
 
+def stop_at(role: str, k: int) -> None:
+    """In a weight-sync member: stop this whole process with ``SIGSTOP`` (as a debugger, a
+    swapped-out host or a hung collective would: nothing of it runs, its control service
+    included) once it has handled bucket level ``k`` of a push as ``role`` (-1: before the
+    first); ``SIGCONT`` from outside resumes it."""
+
+    def hook(at_role: str, at_k: int) -> None:
+        if (at_role, at_k) == (role, k):
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    tw.collective.set_fault_point(hook)
+
+
 def fail_at(role: str, k: int) -> None:
     """In a weight-sync member: raise once it has handled bucket level ``k`` of a push as ``role``."""
 
@@ -166,6 +179,9 @@ class Holder:
 
     def die_at(self, role: str, k: int) -> None:
         die_at(role, k)
+
+    def stop_at(self, role: str, k: int) -> None:
+        stop_at(role, k)
 
     def stall_at(self, role: str, k: int) -> None:
         stall_at(role, k)

@@ -137,6 +137,11 @@ class Channel:
         """False once member ``rank``'s process is known to have exited."""
         return self._agent.peer_may_be_alive(self.members[rank].peer)
 
+    def responds(self, rank: int, *, timeout_s: float = 2.0) -> bool:
+        """Whether member ``rank``'s process can act now: on this machine, alive and not stopped
+        (``SIGSTOP``, a debugger); on another, its agent answers within ``timeout_s``."""
+        return self._agent.peer_responds(self.members[rank].peer, timeout_s=timeout_s)
+
     def publish(
         self, tensors: Sequence[torch.Tensor], *, export: bool = True, across_nodes: bool = True
     ) -> tuple[ObjectDescriptor, bytes, int]:

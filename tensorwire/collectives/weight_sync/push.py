@@ -54,6 +54,8 @@ class PushingSync(SyncSettings, Protocol):
 
     def trainer_name(self, position: int) -> str: ...
 
+    def trainer_responds(self, position: int) -> bool: ...
+
 
 class Prepared(NamedTuple):
     """A push's setup, kept between pushes over the same receivers (``key``)."""
@@ -83,10 +85,12 @@ def run_try(
     have: Mapping[int, Arrived] | None = None,
     *,
     catch_up: bool = False,
+    rehearsal: bool = False,
 ) -> SyncReport:
     """Push the trainers' tensors into the ``live`` receivers as ``version`` (``have``: pieces
     they hold already, after a failover: not kept for the next push; ``catch_up``: to a
-    newcomer alone, which serves nothing yet: in place even from a single source).
+    newcomer alone, which serves nothing yet: in place even from a single source;
+    ``rehearsal``: every receiver reads aside and commits nothing, no vote).
 
     Raises:
         TrainerLost: A trainer died or stalled (its position; ``.report``).
@@ -96,13 +100,20 @@ def run_try(
         sync.state.first_try()  # (in place, it votes)
     prepared = _prepared(sync, live, have, catch_up)
     m = len(sync.trainers)
-    running = _start(sync, live, version, prepared)
+    running = _start(sync, live, version, prepared, rehearsal=rehearsal)
     members = {ref: sync.trainer_name(i) for i, ref in enumerate(running.trainers)}
     members.update({ref: f"receiver {rid}" for rid, ref in running.receivers.items()})
     trainer_roles = [role for rank in range(m) for role in prepared.roles[rank]]
     waiting = PushWait(version, prepared.buckets, sync.plan.nbytes, progress=sync.progress, timeout_s=sync.timeout_s)
     try:
-        stalls = waiting.wait(members, running.channel, trainer_roles, running.vote, running.trainers)
+        waited = waiting.wait(
+            members,
+            running.channel,
+            trainer_roles,
+            vote=running.vote,
+            trainers=running.trainers,
+            responds=sync.trainer_responds,
+        )
     finally:
         if prepared.in_place and running.vote is not None and running.vote.committed:
             sync.state.promise()  # the receivers write it: from here on, only forward
@@ -111,14 +122,17 @@ def run_try(
     names = {i: sync.trainer_name(i) for i in range(m)} | {m + i: f"receiver {r}" for i, r in enumerate(live)}
     failed = [f"receiver {r}" for r, kind in report.failure_kinds.items() if kind.fault_of_its_own]
     report.kept_nbytes = report.plan_nbytes - report.moved_nbytes if have is not None else 0
-    for i, reporter in stalls.items():
+    for i, reporter in waited.stalls.items():
         _telemetry(sync, report, names, running.started, [*failed, sync.trainer_name(i)])
-        why = f"stalled: {names.get(int(reporter), reporter)} got no bucket from it in {sync.stall_s:g} s"
+        why = f"stalled: {names.get(int(reporter), reporter)} got no bucket from it in time"
+        if sync.stall_s:
+            why = f"stalled: {names.get(int(reporter), reporter)} got no bucket from it in {sync.stall_s:g} s"
         raise _trainer_lost(sync, report, i, why)
     wrote_all = all(r in report.receivers or r in sync.state.dead for r in live)
     committed = wrote_all if prepared.in_place else running.vote is not None and running.vote.committed
-    _collect_trainers(sync, report, running, committed=committed, failed=failed, names=names)
-    _telemetry(sync, report, names, running.started, failed, retry=have is not None)
+    _collect_trainers(sync, report, running, waited.unfinished, committed=committed, failed=failed, names=names)
+    if not rehearsal:
+        _telemetry(sync, report, names, running.started, failed, retry=have is not None)
     return report
 
 
@@ -137,19 +151,23 @@ def _prepared(sync: PushingSync, live: tuple[int, ...], have: Mapping[int, Arriv
     return sync.prepared
 
 
-def _start(sync: PushingSync, live: tuple[int, ...], version: int, prepared: Prepared) -> _Started:
-    """Start every member's hook, and the vote of an all-or-none push."""
+def _start(
+    sync: PushingSync, live: tuple[int, ...], version: int, prepared: Prepared, *, rehearsal: bool = False
+) -> _Started:
+    """Start every member's hook, and the vote of an all-or-none push (not of a rehearsal)."""
     channel = sync.next_channel()
     m = len(sync.trainers)
     started, start = time.time(), time.perf_counter()
     blobs = prepared.blobs
     trainer_refs = [call_hook(t, trainer.send, blobs[i], version, channel) for i, t in enumerate(sync.trainers)]
     receiver_refs = {
-        r: call_hook(sync.receiver_actors[r], receiver.receive, blobs[m + i], version, channel)
+        r: call_hook(sync.receiver_actors[r], receiver.receive, blobs[m + i], version, channel, rehearsal=rehearsal)
         for i, r in enumerate(live)
     }
     vote = None
-    if sync.commit == "all" and not sync.state.promised:  # (in place, a failover's next try: voted already)
+    if (
+        sync.commit == "all" and not sync.state.promised and not rehearsal
+    ):  # (in place, a failover's next try: voted already)
         ranks = {m + i: sync.receiver_descriptions[r][0] for i, r in enumerate(live)}
         vote = Vote(channel, ranks, timeout_s=sync.timeout_s)
     return _Started(channel, trainer_refs, receiver_refs, vote, started, start)
@@ -187,6 +205,7 @@ def _collect_trainers(
     sync: PushingSync,
     report: SyncReport,
     started: _Started,
+    unfinished: list[Any],
     *,
     committed: bool,
     failed: list[str],
@@ -194,8 +213,14 @@ def _collect_trainers(
 ) -> None:
     """Each trainer's result into ``report``; a trainer lost before the receivers committed
     raises ``TrainerLost``, one that failed its own error (after the telemetry of the try).
-    One that died after they committed is only named: the next push replaces it."""
+    One that died after they committed is only named, and one that stopped after every receiver
+    had its bytes (``unfinished``) is left running: the next push replaces them."""
     for i, ref in enumerate(started.trainers):
+        if any(ref is call for call in unfinished):
+            logger.warning(
+                "weight sync %s: %s stopped after sending everything: left running", sync.name, sync.trainer_name(i)
+            )
+            continue
         outcome = calls.settle(ref, timeout_s=sync.timeout_s)
         if outcome.failure is calls.CallFailure.ACTOR_DIED and committed:
             failed.append(sync.trainer_name(i))

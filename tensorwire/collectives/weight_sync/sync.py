@@ -56,10 +56,12 @@ from tensorwire.collectives.weight_sync.recovery import failover, late_joiners
 from tensorwire.collectives.weight_sync.recovery.failover import two_sources
 from tensorwire.collectives.weight_sync.report.summary import SyncReport
 from tensorwire.collectives.weight_sync.report.telemetry import failover_pairs, record
-from tensorwire.errors import TrainerLost
+from tensorwire.errors import TensorwireError, TrainerLost
+from tensorwire.runtime.agent import agent as runtime_agent
 from tensorwire.runtime.ray import calls
 from tensorwire.runtime.ray.actor import ActorHandle
 from tensorwire.runtime.ray.hooks import call_hook
+from tensorwire.transport.agent.wire import peer_from_bytes
 from tensorwire.transport.config import validate_timeout
 
 __all__ = ["WeightSync"]
@@ -101,7 +103,13 @@ class WeightSync:
         name: Name of this sync, for ``weight_version(name)`` in the receivers.
         timeout_s: Deadline of each wait inside a push (setup included).
         stall_s: A trainer that sends a receiver no next bucket for this long stalled: it is
-            replaced like a dead one (default: half of ``timeout_s``; must be below it).
+            replaced like a dead one (must be below ``timeout_s``). Default (None): adaptive
+            (:mod:`.recovery.stalls`): a trainer whose process is stopped or does not answer is
+            stalled after a few seconds or a few of its bucket times, one that runs but is slow
+            is waited for (up to half of ``timeout_s`` per bucket).
+        prepare: Rehearse a push when the sync is made (:meth:`prepare`), so that the first
+            push costs what later ones do: receivers' aside copies allocated and touched,
+            staging and connections made; nothing is committed.
 
     Attributes:
         version: The last version pushed (or being pushed).
@@ -132,6 +140,7 @@ class WeightSync:
         name: str = "weights",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         stall_s: float | None = None,
+        prepare: bool = True,
     ) -> None:
         trainers = (trainers,) if isinstance(trainers, ActorHandle) else tuple(trainers)
         check_actors([*trainers, *receivers], "WeightSync (trainers and receivers)")
@@ -165,9 +174,7 @@ class WeightSync:
         self.stall_s = stall_s
         self._start_empty()
         self._describe_trainers(NameMap.build(rename, fuse, scales))
-        for actor in receivers:
-            self.add_receiver(actor)
-        self._check_aside()
+        self._add_first_receivers(receivers, prepare=prepare)
 
     def _start_empty(self) -> None:
         """No push yet, no receiver yet."""
@@ -182,12 +189,16 @@ class WeightSync:
         self._pushes = 0
         self._closed = False
 
-    def _check_aside(self) -> None:
+    def _add_first_receivers(self, receivers: Sequence[ActorHandle], *, prepare: bool) -> None:
+        for actor in receivers:
+            self.add_receiver(actor)
         if self.aside == "none" and not two_sources(self, tuple(self.receiver_actors)):
             raise ValueError(
                 "aside='none' needs every receiver byte held by two trainers (replicas), so that a trainer "
                 "lost mid-push can be replaced; here some have one: use aside='shadow'"
             )
+        if prepare:
+            self.prepare()
 
     def _describe_trainers(self, mapping: NameMap) -> None:
         """Each trainer's pieces and address, and the plan over them (receivers come next)."""
@@ -284,6 +295,29 @@ class WeightSync:
 
     # ------------------------------------------------------------------ pushing
 
+    def prepare(self) -> bool:
+        """Make what pushes need before the first one, so that it costs what later ones do: a
+        rehearsal push in which every receiver reads the trainers' tensors into its aside copies
+        (allocated and touched now) and commits nothing, while the members load their specs, the
+        trainers make their staging and the transports their connections. Runs when the sync is
+        made (``prepare=True``, the default); only where versions are assembled aside (shadows:
+        the default ``commit="all"``, or ``atomic``). Returns whether it rehearsed.
+
+        Raises:
+            TensorwireError: A member failed or died during the rehearsal (nothing changed).
+        """
+        if self._closed:
+            raise RuntimeError("this WeightSync was closed")
+        live = self._live()
+        if not live or self.aside == "none" or not (self.atomic or self.commit == "all"):
+            return False
+        report = run_try(self, live, self.state.version, rehearsal=True)
+        self.state.finish(committed=False)
+        broken = {r: why for r, why in report.failed.items() if report.failure_kinds[r].fault_of_its_own}
+        if broken:
+            raise TensorwireError(f"weight sync {self.name}: the rehearsal failed in receiver(s) {broken}")
+        return True
+
     def push(self) -> SyncReport:
         """Push the trainers' current tensors as the next version; returns the report.
 
@@ -305,6 +339,10 @@ class WeightSync:
         lost: dict[tuple[str, str], int] = {}  # (replaced trainer, receiver) -> failovers
         have: dict[int, Arrived] | None = None
         start = time.perf_counter()
+        refused = failover.leave_out_unresponsive(self, version, replaced, lost)  # a look, not a failed try
+        if refused is not None:
+            self.state.finish(committed=False)
+            raise refused
         while True:
             live = self._live()
             try:
@@ -347,6 +385,12 @@ class WeightSync:
     def trainer_name(self, position: int) -> str:
         """How reports name the trainer at ``position`` (its index when the sync was made)."""
         return f"trainer {self._trainer_ids[position]}"
+
+    def trainer_responds(self, position: int) -> bool:
+        """Whether the trainer at ``position`` can act now (alive, not stopped; on another node:
+        it answers within a second)."""
+        peer = peer_from_bytes(self.trainer_descriptions[position][0])
+        return runtime_agent().peer_responds(peer, timeout_s=1.0)
 
     def drop_trainer(self, position: int, plan: Plan) -> None:
         """Leave the trainer at ``position`` out from now on, with ``plan`` over the others (a
@@ -408,8 +452,8 @@ def _checked_settings(
     transport: str,
     timeout_s: float,
     stall_s: float | None,
-) -> float:
-    """Raise for settings that cannot work together; returns ``stall_s`` (its default filled in)."""
+) -> float | None:
+    """Raise for settings that cannot work together; returns ``stall_s`` (None: adaptive)."""
     if not trainers:
         raise ValueError("WeightSync needs at least one trainer")
     if not receivers:
@@ -422,8 +466,7 @@ def _checked_settings(
         raise ValueError(f"aside={aside!r}: expected 'shadow', or 'none' with commit='all' (and no atomic)")
     if on_commit is not None and not (isinstance(on_commit, str) and on_commit) and not callable(on_commit):
         raise TypeError("on_commit must name a receiver method or be a function f(actor, version)")
-    stall_s = timeout_s / 2 if stall_s is None else validate_timeout(stall_s)
-    if stall_s >= timeout_s:
+    if stall_s is not None and validate_timeout(stall_s) >= timeout_s:
         raise ValueError(f"stall_s={stall_s:g} must be below timeout_s={timeout_s:g} (how long trainers wait)")
     if transport != "auto":
         from tensorwire.transport import registry

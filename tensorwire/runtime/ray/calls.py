@@ -1,7 +1,7 @@
 """Waiting for actor calls, for the layers above the runtime (collectives, bench, CLI).
 
 Those layers start calls on tensorwire actors (:func:`tensorwire.runtime.ray.hooks.call_hook`)
-and wait for them here, so that Ray is imported in the runtime only. Every wait is bounded.
+and wait for them here, so that the library imports Ray in the runtime only. Every wait is bounded.
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@ fails naming the attribute if a Ray release changes it):
   (kept when ``@tw.remote`` wraps the method).
 * ``ActorHandle.__dict__`` and its ``_ray_weak_ref`` entry (private): a ``tw.ActorHandle`` is
   also a ``ray.actor.ActorHandle`` sharing the Ray handle's state, marked as not counting
-  (:func:`share_handle_state`, for ``make_handle`` in ``runtime/handles.py``), so that
+  (:func:`share_handle_state`, for ``make_handle`` in ``runtime/ray/handles.py``), so that
   ``ray.kill``, ``isinstance`` and Ray's own calls take it. The one private access left, and
   made here only.
 
 Nothing in the package walks the caller's stack (``tests/test_layout.py`` checks): a
 ``@tw.method`` is Ray's ``@ray.method(tensor_transport="tensorwire")`` and its results are
-Ray's own references (``runtime/ray_transport.py``).
+Ray's own references (``runtime/ray/transport.py``).
 """
 
 from __future__ import annotations

@@ -168,9 +168,8 @@ class Agent(TransportContext, AgentServices):
             self._refresh_transports()
 
     def transports(self) -> dict[str, Transport]:
-        """Any caller: the transports usable in this process, by registry name (a copy; the
-        instances are the agent's own). Transports registered since the last ``put`` or
-        fetch appear once one of those ran."""
+        """Any caller: the usable transports by registry name (a copy of the agent's table); ones
+        registered since the last ``put`` or fetch appear once one of those ran."""
         return self._transports.usable()
 
     def unusable_transports(self) -> dict[str, str]:
@@ -183,8 +182,7 @@ class Agent(TransportContext, AgentServices):
         return dict(self._transports.capabilities)
 
     def diagnose(self) -> dict[str, list[Diagnosis]]:
-        """Each usable transport's own report (``Transport.diagnose``); one that raises is
-        reported as failed, the others still run."""
+        """Each usable transport's ``Transport.diagnose``; one that raises is reported as failed."""
         self._refresh_if_registry_changed()
         found: dict[str, list[Diagnosis]] = {}
         for name, transport in self._transports.usable().items():
@@ -302,6 +300,9 @@ class Agent(TransportContext, AgentServices):
 
     def peer_may_be_alive(self, peer: PeerInfo) -> bool:
         return self._client.may_be_alive(peer)
+
+    def peer_responds(self, peer: PeerInfo, *, timeout_s: float) -> bool:
+        return self._client.responds(peer, timeout_s=timeout_s)
 
     def open_stream(self, request: FetchRequest, transport: str, params: bytes) -> Iterator[bytes]:
         return self._client.stream(request, transport, params)

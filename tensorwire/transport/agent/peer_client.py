@@ -81,6 +81,15 @@ class PeerClient:
         """False only when ``peer`` ran on this machine and its process has exited."""
         return not peer.same_machine(self._peer()) or topology.process_alive(peer.pid, peer.start_time)
 
+    def responds(self, peer: PeerInfo, *, timeout_s: float) -> bool:
+        """Whether ``peer``'s process can act now: on this machine, alive and not stopped (one
+        read of ``/proc``); elsewhere, its agent answers a ping within ``timeout_s``."""
+        if peer.same_machine(self._peer()):
+            return topology.process_alive(peer.pid, peer.start_time) and not topology.process_stopped(
+                peer.pid, peer.start_time
+            )
+        return self.ping(peer, timeout_s=timeout_s)
+
     def owner_error(self, owner: PeerInfo, error: Exception) -> Exception:
         """Turn a lost-peer error into ``OwnerDiedError`` when the owner is known to have exited."""
         if isinstance(error, (PeerLostError, TransferTimeoutError)) and not self.may_be_alive(owner):

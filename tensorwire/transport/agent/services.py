@@ -44,6 +44,12 @@ class AgentServices(ABC):
     def peer_may_be_alive(self, peer: PeerInfo) -> bool:
         """False only when ``peer`` ran on this machine and its process has exited."""
 
+    @abstractmethod
+    def peer_responds(self, peer: PeerInfo, *, timeout_s: float) -> bool:
+        """Whether ``peer``'s process can act now: on this machine, alive and not stopped
+        (``SIGSTOP``, a debugger); elsewhere, its agent answers within ``timeout_s``. Blocks at
+        most ``timeout_s``."""
+
     # ------------------------------------------------------------------ objects this process owns
 
     @abstractmethod

@@ -17,7 +17,15 @@ from tensorwire.transport.contract import DeviceInfo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["checked_device", "machine_id", "node_id", "process_alive", "process_start_time", "visible_devices"]
+__all__ = [
+    "checked_device",
+    "machine_id",
+    "node_id",
+    "process_alive",
+    "process_start_time",
+    "process_stopped",
+    "visible_devices",
+]
 
 NODE_ID_ENV = "TENSORWIRE_NODE_ID"
 
@@ -40,17 +48,31 @@ def node_id() -> str:
 
 def process_start_time(pid: int) -> int:
     """The start time of ``pid`` in clock ticks since boot, or 0 if it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return 0
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
+    fields = _stat_fields(pid) or []
     try:
         return int(fields[19])  # field 22 of the whole line
     except (IndexError, ValueError):
         return 0
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3 onwards), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def _same_process(fields: list[bytes], start_time: int) -> bool:
+    """Whether ``fields`` are of the process that started at ``start_time`` (the pid not reused)."""
+    try:
+        started = int(fields[19])  # field 22 of the whole line
+    except (IndexError, ValueError):
+        started = 0
+    return not (start_time and started not in (0, start_time))
 
 
 def process_alive(pid: int, start_time: int) -> bool:
@@ -64,20 +86,18 @@ def process_alive(pid: int, start_time: int) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by someone else
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
+    fields = _stat_fields(pid)
     if not fields or fields[0] in (b"Z", b"X"):
         return False  # exited, not yet reaped
-    try:
-        started = int(fields[19])  # field 22 of the whole line
-    except (IndexError, ValueError):
-        started = 0
-    return not (start_time and started not in (0, start_time))  # else the pid was reused
+    return _same_process(fields, start_time)
+
+
+def process_stopped(pid: int, start_time: int) -> bool:
+    """Whether the process ``pid`` that started at ``start_time`` is stopped on this machine
+    (``SIGSTOP``, a debugger, job control: state ``T`` or ``t``): alive, but it runs nothing
+    until it is continued. One read of ``/proc/<pid>/stat``."""
+    fields = _stat_fields(pid) if pid > 0 else None
+    return bool(fields) and fields[0] in (b"T", b"t") and _same_process(fields, start_time)
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,7 +14,8 @@ import torch
 import tensorwire as tw
 from tensorwire.collectives.weight_sync.planning.buckets import cut as bucket_plan
 from tensorwire.collectives.weight_sync.streams.staging import checksum
-from tests.collectives.actors import Holder
+from tests.collectives.actors import Holder, digests
+from tests.helpers.broken_transport import environment
 from tests.helpers.observe import memfd_sizes
 
 
@@ -183,3 +184,28 @@ def test_progress_line_follows_the_buckets(ray_local, capfd):
     drawn = [int(n) for n in re.findall(r"weight sync v1: +\d+%\|[^|]*\| (\d+)/4 \[", captured.err)]
     assert drawn[0] == 0 and drawn[-1] == 4 and drawn == sorted(drawn), captured.err[-600:]
     assert "weight sync" not in captured.out
+
+
+def test_verify_catches_a_bucket_corrupted_on_the_way(ray_local):
+    """Receivers whose ``host`` transport writes none of a bucket's bytes into their tensors
+    (tests/helpers/broken_transport.py): with ``verify=True`` each names the bucket's checksum
+    mismatch and none commits; without, the push says it succeeded over bytes it never wrote,
+    which is what ``verify`` is for."""
+    broken = {"runtime_env": {"env_vars": environment("host")}}
+    trainer = Holder.remote(8, 4 << 20, seed=1)
+    receivers = [Holder.options(**broken).remote(8, 4 << 20, seed=None) for _ in range(2)]
+    expected = ray.get(trainer.digest.remote())
+    options = {"source": "weights", "transport": "host", "bucket_bytes": 1 << 20}
+    checked = tw.WeightSync(trainer, receivers, verify=True, name="checked", **options)
+    unchecked = tw.WeightSync(trainer, receivers, name="unchecked", **options)
+    try:
+        report = checked.push()
+        assert set(report.failed) == {0, 1}, report
+        assert all("checksum mismatch" in why for why in report.failed.values()), report.failed
+        assert checked.versions() == [0, 0]
+        report = unchecked.push()
+        assert report.ok and unchecked.versions() == [1, 1]  # nothing looked at the bytes...
+        assert digests(receivers) != [expected] * 2  # ...and they are not the trainer's
+    finally:
+        checked.close()
+        unchecked.close()

@@ -1,13 +1,14 @@
 """The driver's wait for one weight-sync push: bounded, drawing the progress bar from the
-trainers' messages, deciding an all-or-none vote (:mod:`.vote`) while the members run, and
-giving up on a trainer that receivers report stalled (:mod:`..recovery.stalls`)."""
+trainers' messages, deciding an all-or-none vote (:mod:`.vote`) while the members run, giving
+up on a trainer that receivers report stalled (:mod:`..recovery.stalls`), and not waiting for a
+trainer that stopped after every receiver had its bytes."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from tensorwire.collectives.weight_sync.commit.vote import Vote, ended_early
 from tensorwire.collectives.weight_sync.planning.buckets import push_deadline_s
@@ -19,7 +20,7 @@ from tensorwire.progress import ProgressBar
 from tensorwire.runtime.agent import agent as runtime_agent
 from tensorwire.runtime.ray import calls
 
-__all__ = ["PushWait"]
+__all__ = ["PushWait", "Waited"]
 
 
 @dataclass(frozen=True)
@@ -37,51 +38,94 @@ class PushWait:
         members: dict[Any, str],
         channel: str,
         trainer_roles: Sequence[Role],
+        *,
         vote: Vote | None,
         trainers: Sequence[Any],
-    ) -> dict[int, str]:
+        responds: Callable[[int], bool] = lambda _rank: True,
+    ) -> Waited:
         """Wait until every member's call (``members``: call -> who; ``trainers``: the trainers'
         calls in rank order) ended, within the push's deadline, or was reported stalled by a
-        receiver: returns those trainers' ranks -> the receiver rank that reported it (their
-        calls are left running). With a ``vote``: commit once every receiver is ready, abort as
-        soon as a member failed or stalled or a receiver ended without committing."""
+        receiver (:class:`Waited`: their ranks -> the receiver rank that reported it), or is a
+        trainer's whose process cannot act (``responds(rank)`` False: stopped) once every
+        receiver ended: its bytes all arrived (``Waited.unfinished``). Calls not waited for are
+        left running. With a ``vote``: commit once every receiver is ready, abort as soon as a
+        member failed or stalled or a receiver ended without committing."""
         pending = list(members)
-        stalls: dict[int, str] = {}
+        waited = Waited({}, [])
         deadline = time.monotonic() + push_deadline_s(self.timeout_s, self.buckets)
-        agent = runtime_agent()
-        expected = [(role.stream, len(role.buckets)) for role in trainer_roles]
-        settled = dict.fromkeys((s for s, _n in expected), 0)
-        bar = ProgressBar(self.buckets, desc=f"weight sync v{self.version}", unit="bucket", enabled=self.progress)
-        bar.step(f"{self.nbytes / 2**20:.0f} MiB in all", 0)
+        progress = _Progress(self, channel, trainer_roles)
         try:
             while pending:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"weight sync v{self.version} did not finish in time")
                 for rank, reporter in stalled(channel, len(trainers)).items():
-                    if rank not in stalls:
-                        stalls[rank] = reporter
+                    if rank not in waited.stalls:
+                        waited.stalls[rank] = reporter
                         pending = [ref for ref in pending if ref is not trainers[rank]]
                 if vote is not None and vote.decision is None:
                     vote.collect()
                     done, pending = calls.wait_all(pending, timeout_s=0.0)
                     failure, lost = ended_early(members, done, trainers, timeout_s=self.timeout_s)
-                    if failure is None and stalls:
-                        lost, reporter = next(iter(stalls.items()))
+                    if failure is None and waited.stalls:
+                        lost, reporter = next(iter(waited.stalls.items()))
                         failure = f"{members[trainers[lost]]} stalled (reported by channel rank {reporter})"
                     vote.decide(failure, lost_trainer=lost)
                 else:
                     _done, pending = calls.wait_all(pending, timeout_s=0.1)
-                if not self.progress:
-                    continue
-                for stream, count in expected:
-                    while settled[stream] < count:
-                        try:
-                            agent.rendezvous_take(channel, progress_key(stream, settled[stream]), timeout_s=0.0)
-                        except TensorwireError:
-                            break
-                        settled[stream] += 1
-                bar.advance_to(sum(settled.values()))
+                    pending = _left_behind(pending, trainers, responds, waited.unfinished)
+                progress.advance()
         finally:
-            agent.rendezvous_forget(channel)
-            bar.close()
-        return stalls
+            runtime_agent().rendezvous_forget(channel)
+            progress.close()
+        return waited
+
+
+class Waited(NamedTuple):
+    """What :meth:`PushWait.wait` did not wait for: trainers reported stalled (rank -> the
+    reporting receiver's rank), and the calls of trainers that stopped after every receiver
+    had their bytes."""
+
+    stalls: dict[int, str]
+    unfinished: list[Any]
+
+
+def _left_behind(
+    pending: list[Any], trainers: Sequence[Any], responds: Callable[[int], bool], unfinished: list[Any]
+) -> list[Any]:
+    """``pending`` without the calls of trainers that cannot act (stopped), once only trainers'
+    calls are pending (every receiver ended: nothing is left to read from them); those go to
+    ``unfinished``."""
+    ranks = {id(ref): rank for rank, ref in enumerate(trainers)}
+    if not pending or any(id(ref) not in ranks for ref in pending):
+        return pending
+    stopped = [ref for ref in pending if not responds(ranks[id(ref)])]
+    unfinished.extend(stopped)
+    return [ref for ref in pending if all(ref is not gone for gone in stopped)]
+
+
+class _Progress:
+    """The push's progress bar, advanced by the trainers' progress messages."""
+
+    def __init__(self, wait: PushWait, channel: str, trainer_roles: Sequence[Role]) -> None:
+        self.enabled = wait.progress
+        self.channel = channel
+        self.expected = [(role.stream, len(role.buckets)) for role in trainer_roles]
+        self.settled = dict.fromkeys((s for s, _n in self.expected), 0)
+        self.bar = ProgressBar(wait.buckets, desc=f"weight sync v{wait.version}", unit="bucket", enabled=wait.progress)
+        self.bar.step(f"{wait.nbytes / 2**20:.0f} MiB in all", 0)
+
+    def advance(self) -> None:
+        if not self.enabled:
+            return
+        agent = runtime_agent()
+        for stream, count in self.expected:
+            while self.settled[stream] < count:
+                try:
+                    agent.rendezvous_take(self.channel, progress_key(stream, self.settled[stream]), timeout_s=0.0)
+                except TensorwireError:
+                    break
+                self.settled[stream] += 1
+        self.bar.advance_to(sum(self.settled.values()))
+
+    def close(self) -> None:
+        self.bar.close()

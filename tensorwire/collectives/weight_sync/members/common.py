@@ -46,7 +46,9 @@ _fault_point: list[Callable[[str, int], None]] = []  # set_fault_point's hook, i
 def set_fault_point(hook: Callable[[str, int], None] | None) -> None:
     """Inside a weight-sync member, for fault-injection tests: ``hook(role, k)`` runs each time
     this process has handled bucket level ``k`` of a push (role ``"trainer"``: offered it to
-    every stream; ``"receiver"``: took it in), e.g. to kill the process at a named point
+    every stream, ``k`` -1: about to offer the first, ``k`` = the number of levels: every reader
+    took every bucket; ``"receiver"``: took it in), e.g. to kill
+    or stop the process at a named point
     instead of after a guessed delay. ``None`` removes it."""
     _fault_point[:] = [hook] if hook is not None else []
 

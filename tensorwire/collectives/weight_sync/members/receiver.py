@@ -46,6 +46,7 @@ from tensorwire.collectives.weight_sync.protocol import messages
 from tensorwire.collectives.weight_sync.protocol.messages import BucketKind, parse_bucket_message
 from tensorwire.collectives.weight_sync.protocol.spec import BucketSpan, PushSpec, ReceiveResult, Region, Role
 from tensorwire.collectives.weight_sync.recovery import arrivals
+from tensorwire.collectives.weight_sync.recovery.stalls import StallWatch
 from tensorwire.collectives.weight_sync.streams.fanout import serving
 from tensorwire.collectives.weight_sync.streams.staging import checksum
 from tensorwire.errors import TensorwireError, TrainerLost
@@ -56,30 +57,41 @@ __all__ = ["abandon", "receive"]
 
 @actor_hook
 def receive(
-    actor: object, spec: PushSpec | bytes, version: int | None = None, channel: str | None = None
+    actor: object,
+    spec: PushSpec | bytes,
+    version: int | None = None,
+    channel: str | None = None,
+    *,
+    rehearsal: bool = False,
 ) -> ReceiveResult:
     """Hook, receiver: read every stream it is in into its tensors, serve the ones it leads,
-    and commit (see the module doc)."""
+    and commit (see the module doc). ``rehearsal``: read everything aside (shadows) and commit
+    nothing, so that what pushes need is made and touched once (``WeightSync.prepare``)."""
     start = time.perf_counter()
     spec = load_spec(spec, version, channel)
     arrivals.start_receiving(spec)
     intake = _Intake(spec)
     try:
         with serving(list(intake.fanouts.values()), f"relay {spec.rank}"):
-            refused = _receive_and_commit(actor, spec, intake)
+            refused = _receive_and_commit(actor, spec, intake, rehearsal=rehearsal)
     finally:
         intake.channel.close()
     return intake.result(refused, time.perf_counter() - start)
 
 
-def _receive_and_commit(actor: object, spec: PushSpec, intake: _Intake) -> str | None:
-    """Steps 1-4 of the module doc; None once committed, else why not (the vote aborted)."""
+def _receive_and_commit(actor: object, spec: PushSpec, intake: _Intake, *, rehearsal: bool) -> str | None:
+    """Steps 1-4 of the module doc; None once committed, else why not (the vote aborted, or a
+    rehearsal)."""
     try:
         targets = member_tensors(actor, spec, "target")
+        if rehearsal and not spec.shadow:
+            raise ValueError("a rehearsal reads aside only: this receiver writes in place")
         if spec.in_place:
             _vote_first(actor, spec)
         dsts = aside.destinations(spec, targets)
         intake.read_all(dsts)
+        if rehearsal:
+            return messages.REHEARSAL
         return _commit(actor, spec, targets, dsts)
     except _NotWriting as e:  # in place, and the vote aborted: nothing was written
         intake.tell_parents(f"receiver {spec.rank}: not writing: {e}")
@@ -144,6 +156,8 @@ class _Intake:
         self.acks: list[Callable[[], None]] = []
         self.acked = {role.stream: 0 for role in spec.roles}  # stream -> buckets acknowledged
         self.lost: dict[int, TrainerLost] = {}  # stream -> its trainer died or stalled: the others are still read
+        trainers = {role.parent for role in spec.roles if 0 <= role.parent < spec.trainers}
+        self.watches = {rank: StallWatch(spec) for rank in trainers}  # each trainer's progress
 
     def read_all(self, dsts: list[torch.Tensor]) -> None:
         """Every bucket of every stream, level by level (at most one level of acknowledgements
@@ -168,13 +182,14 @@ class _Intake:
         views = [view(dsts[param], where) for param, where, _d in prepared]
         dtypes = [dtype for _p, _w, dtype in prepared]
         try:
-            message = next_bucket(self.channel, spec, role.parent, messages.bucket_key(role.stream, k), self.aborted)
+            key, watch = messages.bucket_key(role.stream, k), self.watches.get(role.parent)
+            message = next_bucket(self.channel, spec, role.parent, key, self.aborted, watch=watch)
             kind, expected, payload = parse_bucket_message(message, what)
             if kind is BucketKind.ABORT:
                 _raise_aborted(spec, role.parent, what, payload)
             began, fetch_start = time.time(), time.perf_counter()
             transport, slow_s, sent = take_from(
-                self.channel, spec, role.parent, (kind, payload), views=views, dtypes=dtypes
+                self.channel, spec, role.parent, (kind, payload), views=views, dtypes=dtypes, watch=watch
             )
         except TrainerLost as e:  # what the others send is kept for the failover
             self.lost[role.stream] = e
@@ -208,11 +223,18 @@ class _Intake:
             raise TensorwireError(f"{what}: checksum mismatch")
 
     def tell_parents(self, reason: str) -> None:
-        """So that they stop waiting for this receiver's acknowledgements."""
+        """So that they stop waiting for this receiver's acknowledgements (a trainer's is not
+        waited for: one that stopped must not hold the receiver)."""
+        waits = []
         for role in self.spec.roles:
+            key = messages.ack_key(role.stream, self.acked[role.stream])
             with contextlib.suppress(TensorwireError):
-                key = messages.ack_key(role.stream, self.acked[role.stream])
-                self.channel.send(role.parent, key, reason.encode()[: messages.MAX_REASON_NBYTES])
+                wait = self.channel.post(role.parent, key, reason.encode()[: messages.MAX_REASON_NBYTES])
+                if role.parent >= self.spec.trainers:
+                    waits.append(wait)
+        for wait in waits:
+            with contextlib.suppress(TensorwireError):
+                wait()
 
     def result(self, refused: str | None, seconds: float) -> ReceiveResult:
         relay_failed: dict[int, str] = {}

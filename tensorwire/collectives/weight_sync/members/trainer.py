@@ -42,6 +42,7 @@ def send(actor: object, spec: PushSpec | bytes, version: int | None = None, chan
     try:
         with serving(list(fanouts.values()), f"trainer {spec.rank}"):  # a failure here tells the receivers at once
             checksum_s = _serve(actor, spec, fanouts)
+        at_fault_point("trainer", max((len(r.buckets) for r in spec.roles), default=0))  # every bucket taken
     finally:
         members.close()
     return _result(spec, fanouts, checksum_s, time.perf_counter() - start)
@@ -64,6 +65,7 @@ def _serve(actor: object, spec: PushSpec, fanouts: dict[int, Fanout]) -> float:
     """Offer every bucket of every stream, level by level; returns the seconds spent on checksums."""
     checksum_s = 0.0
     tensors = member_tensors(actor, spec, "source")
+    at_fault_point("trainer", -1)
     for k in range(max((len(r.buckets) for r in spec.roles), default=0)):
         for role in spec.roles:
             if k >= len(role.buckets):

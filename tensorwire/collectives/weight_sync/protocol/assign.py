@@ -38,7 +38,7 @@ class SyncSettings(Protocol):
     verify: bool
     transport: str
     timeout_s: float
-    stall_s: float
+    stall_s: float | None
     progress: bool
     atomic: bool
     commit: str
@@ -163,7 +163,7 @@ def _common_part(
         "commit": sync.commit,
         "deadline_s": push_deadline_s(sync.timeout_s, buckets),  # as the driver's wait
         "trainers": len(sync.trainers),
-        "stall_s": sync.stall_s,
+        "stall_s": sync.stall_s or 0.0,  # (0: adaptive, recovery/stalls.py)
         "driver": driver,
     }
 

@@ -27,6 +27,7 @@ __all__ = [
     "COMMIT",
     "DECISION_KEY",
     "MAX_REASON_NBYTES",
+    "REHEARSAL",
     "RELAY_LOST_TRAINER",
     "SLOT",
     "TRAINER_LOST_PREFIX",
@@ -54,6 +55,8 @@ ABORT_PREFIX = b"abort: "  # then why
 TRAINER_LOST_PREFIX = b"abort, a trainer was lost: "  # then "<rank> <why>": receivers read the others on
 # A relay's abort when its trainer was lost (its node-mates read their other streams on).
 RELAY_LOST_TRAINER = "trainer lost: "
+# A receiver's answer to a rehearsal (``WeightSync.prepare``): everything read aside, nothing committed.
+REHEARSAL = "a rehearsal: read aside, nothing committed"
 
 
 def bucket_key(stream: int, k: int) -> str:

@@ -67,7 +67,7 @@ class PushSpec:
     deadline_s: float = 0.0  # the push's whole deadline (the driver decides a vote within it)
     on_commit: str | Callable[[object, int], None] | None = None  # receiver: run once per commit
     trainers: int = 0  # ranks below this are trainers
-    stall_s: float = 0.0  # receiver: a trainer that sends no next bucket for this long stalled (0: timeout_s)
+    stall_s: float = 0.0  # receiver: a trainer that sends no next bucket for this long stalled (0: adaptive)
     in_place: bool = False  # receiver, all-or-none without shadows: vote first, write inside the fence held till then
     voted: bool = False  # in place, a failover's next try: the driver said commit already (no second vote)
 

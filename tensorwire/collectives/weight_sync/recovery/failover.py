@@ -31,7 +31,16 @@ from tensorwire.runtime.ray import calls
 from tensorwire.runtime.ray.actor import ActorHandle
 from tensorwire.runtime.ray.hooks import call_hook
 
-__all__ = ["FailingOver", "arrived", "count_lost", "fail_over", "replan_without", "two_sources"]
+__all__ = [
+    "FailingOver",
+    "arrived",
+    "common_to_replicas",
+    "count_lost",
+    "fail_over",
+    "leave_out_unresponsive",
+    "replan_without",
+    "two_sources",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +60,8 @@ class FailingOver(Protocol):
     def trainer_name(self, position: int) -> str: ...
 
     def drop_trainer(self, position: int, plan: Plan) -> None: ...
+
+    def trainer_responds(self, position: int) -> bool: ...
 
 
 def two_sources(sync: FailingOver, live: tuple[int, ...]) -> bool:
@@ -131,6 +142,15 @@ def arrived(
             )
             continue
         held[rid] = {(n, w, tuple(o), tuple(z)) for n, w, o, z in outcome.value}
+    return common_to_replicas(held, layouts)
+
+
+def common_to_replicas(
+    held: Mapping[int, set[tuple]], layouts: Mapping[int, Sequence[ParamPiece]]
+) -> dict[int, dict[tuple[str, str], list[Box]]]:
+    """Per receiver, the pieces it can skip: of those it holds (``held``: (parameter, wire
+    dtype, offsets, sizes)), the ones every receiver of its layout holds too (replicas read
+    the rest together, as one stream)."""
     by_layout: dict[tuple[ParamPiece, ...], set[tuple]] = {}
     for rid, pieces in held.items():
         key = tuple(layouts[rid])
@@ -150,3 +170,19 @@ def count_lost(lost: dict[tuple[str, str], int], plan: Plan, dead: int, name: st
         if trainer == dead:
             key = (name, f"receiver {receiver}")
             lost[key] = lost.get(key, 0) + 1
+
+
+def leave_out_unresponsive(
+    sync: FailingOver, version: int, replaced: dict[str, str], lost: dict[tuple[str, str], int]
+) -> TrainerLost | None:
+    """Before a push: leave out every trainer that died or stopped since the last one (a look
+    at each, not a failed first try), when the others hold its bytes; else the error to raise."""
+    while True:
+        gone = next((i for i in range(len(sync.trainers)) if not sync.trainer_responds(i)), None)
+        if gone is None:
+            return None
+        who = f"{sync.trainer_name(gone)} ({sync.trainers[gone]!r})"
+        why = f"weight sync v{version}: {who} was dead or stopped when the push began"
+        refused = fail_over(sync, TrainerLost(gone, why), replaced, lost)
+        if refused is not None:
+            return refused

@@ -1,16 +1,34 @@
-"""Stall detection: a trainer that sends a receiver no next bucket within ``stall_s`` stalled.
+"""Stall detection: a trainer that makes no progress for a receiver stalled, and is replaced.
 
-A receiver waiting for a trainer's next bucket gives up after ``stall_s`` (the wait in
-:func:`..members.intake.next_bucket`), tells the driver (:func:`report_stall`) and goes on
-reading its other trainers; the driver, polling while the push runs (:func:`stalled`), treats
-the trainer as lost and replaces it like a dead one (:mod:`.failover`). A stalled trainer's
-call is left running (Ray cannot interrupt it); whatever it does later goes to a push that is
-over and is dropped.
+A stalled trainer is a process that stopped (``SIGSTOP``, a debugger, a swapped-out host, a
+hang), not only one that stopped sending. A receiver waiting for a trainer's next bucket
+(:func:`..members.intake.next_bucket`) waits at most the trainer's *patience*
+(:meth:`StallWatch.patience_s`), then:
+
+* with an explicit ``stall_s``: the trainer stalled (no next bucket within ``stall_s``);
+* by default (adaptive): it looks whether the trainer's process can act
+  (:meth:`~tensorwire.collectives.groups.channel.Channel.responds`: on this machine alive and
+  not stopped; on another node its agent answers a ping). One that cannot stalled; one that can
+  is slow, not stalled, and the receiver waits on, up to :data:`RESPONSIVE_LIMIT_FRACTION` of
+  ``timeout_s`` for one bucket (a process that runs but never sends: a stuck collective).
+
+The adaptive patience is :data:`PATIENCE_BUCKETS` times the longest gap between two of the
+trainer's buckets seen so far in this push, and at least :data:`PATIENCE_FLOOR_S`: a stopped
+trainer is found within a few seconds plus one bucket time, a trainer slowed down by a loaded
+machine is not declared stalled.
+
+The receiver then tells the driver (:func:`report_stall`) and goes on reading its other
+trainers; the driver, polling while the push runs (:func:`stalled`), treats the trainer as
+lost and replaces it like a dead one (:mod:`.failover`). A stalled trainer's call is left
+running (Ray cannot interrupt it); whatever it does later goes to a push that is over and is
+dropped. The driver does not wait for a trainer whose bytes every receiver has
+(:mod:`..commit.push_wait`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 from tensorwire.collectives.weight_sync.protocol.messages import stalled_key
 from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
@@ -18,11 +36,49 @@ from tensorwire.errors import TensorwireError
 from tensorwire.runtime.agent import agent as runtime_agent
 from tensorwire.transport.agent.wire import peer_from_bytes
 
-__all__ = ["report_stall", "stalled"]
+__all__ = [
+    "PATIENCE_BUCKETS",
+    "PATIENCE_FLOOR_S",
+    "RESPONSIVE_LIMIT_FRACTION",
+    "StallWatch",
+    "report_stall",
+    "stalled",
+]
+
+PATIENCE_FLOOR_S = 3.0  # adaptive: the least time a receiver waits before it looks at the trainer
+PATIENCE_BUCKETS = 4  # adaptive: the patience in gaps between the trainer's buckets (the longest seen)
+RESPONSIVE_LIMIT_FRACTION = 0.5  # adaptive: a trainer that can act but sends nothing stalls after this x timeout_s
+
+
+class StallWatch:
+    """A receiver's view of one trainer's progress in one push (see the module doc)."""
+
+    def __init__(self, spec: PushSpec) -> None:
+        self.explicit_s = spec.stall_s  # 0: adaptive
+        self.limit_s = RESPONSIVE_LIMIT_FRACTION * spec.timeout_s
+        self._last = time.monotonic()
+        self._longest_gap_s = 0.0
+
+    def patience_s(self) -> float:
+        """How long to wait for the next bucket before deciding."""
+        if self.explicit_s:
+            return self.explicit_s
+        return max(PATIENCE_FLOOR_S, PATIENCE_BUCKETS * self._longest_gap_s)
+
+    def arrived(self) -> None:
+        """A bucket from the trainer came now."""
+        now = time.monotonic()
+        self._longest_gap_s = max(self._longest_gap_s, now - self._last)
+        self._last = now
+
+    def stalled(self, waited_s: float, responds: bool) -> bool:
+        """Whether the trainer stalled, after ``waited_s`` with no bucket (``responds``: its
+        process can act)."""
+        return bool(self.explicit_s) or not responds or waited_s >= self.limit_s
 
 
 def report_stall(spec: PushSpec, trainer: int) -> None:
-    """Receiver: tell the driver that trainer rank ``trainer`` sent no next bucket for ``stall_s``."""
+    """Receiver: tell the driver that trainer rank ``trainer`` stalled."""
     if not spec.driver:
         return
     with contextlib.suppress(TensorwireError):  # the driver gone: the push is over anyway

@@ -92,3 +92,32 @@ def test_bad_commit_options_are_refused(ray_local):
         tw.WeightSync(trainer, [receiver], source="weights", commit="some")
     with pytest.raises(TypeError, match="on_commit"):
         tw.WeightSync(trainer, [receiver], source="weights", on_commit=3)
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_prepare_rehearses_a_push_aside_and_commits_nothing(ray_local, prepare):
+    """``prepare=True`` (the default): the receivers' shadow copies are made and filled when the
+    sync is built, by a rehearsal push that commits nothing (their tensors, versions and
+    ``on_commit`` untouched); ``prepare=False`` leaves all that to the first push."""
+    trainer, receivers, sync = make(receivers=2, prepare=prepare, on_commit="note_commit")
+    try:
+        before = digests(receivers)
+        aside = ray.get([r.aside_nbytes.remote(sync.sync_id) for r in receivers])
+        assert aside == ([NBYTES] * 2 if prepare else [0, 0])
+        assert digests(receivers) == before != [ray.get(trainer.digest.remote())] * 2
+        assert sync.versions() == [0, 0] and sync.committed == 0
+        assert ray.get([r.commits_seen.remote() for r in receivers]) == [[], []]
+        assert sync.push().ok and digests(receivers) == [ray.get(trainer.digest.remote())] * 2
+        assert ray.get([r.aside_nbytes.remote(sync.sync_id) for r in receivers]) == [NBYTES] * 2
+        assert sync.versions() == [1, 1] and ray.get(receivers[0].commits_seen.remote()) == [("method", 1)]
+    finally:
+        sync.close()
+
+
+def test_prepare_has_nothing_to_rehearse_where_receivers_write_in_place(ray_local):
+    _trainer, receivers, sync = make(receivers=1, commit="each", prepare=False)
+    try:
+        assert sync.prepare() is False  # no aside copies to make: a rehearsal would write their tensors
+        assert ray.get(receivers[0].aside_nbytes.remote(sync.sync_id)) == 0 and sync.versions() == [0]
+    finally:
+        sync.close()

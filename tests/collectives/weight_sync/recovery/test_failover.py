@@ -13,6 +13,7 @@ from tensorwire.collectives.weight_sync.planning.layout import Box, ParamPiece
 from tensorwire.collectives.weight_sync.planning.plan import Plan
 from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
 from tensorwire.collectives.weight_sync.recovery import arrivals
+from tensorwire.collectives.weight_sync.recovery.failover import common_to_replicas
 from tests.collectives.actors import Holder, digests
 
 NBYTES = 8 << 20
@@ -134,3 +135,18 @@ def test_commit_of_a_version_already_committed_runs_on_commit_once():
     other = PushSpec(**{**spec.__dict__, "sync_id": "s-other"})  # another sync of the same name, same number
     receiver_state.commit(object(), other, [])
     assert seen == [7, 7]
+
+
+def test_replicas_skip_only_what_every_one_of_them_holds():
+    """After a failed try, receivers of one layout (replicas) read the rest together, as one
+    stream: each skips only the pieces all of them hold (the intersection), never a piece
+    another replica lacks (a union would leave that replica without it)."""
+    replica = (ParamPiece("a", (8, 4), "float32", Box.full((8, 4))),)
+    other = (ParamPiece("a", (8, 4), "float32", Box((0, 0), (4, 4))),)
+    rows = [("a", "float32", (row, 0), (2, 4)) for row in (0, 2, 4, 6)]
+    held = {0: set(rows[:3]), 1: set(rows[1:]), 2: {rows[0]}}  # 0 and 1 replicas; 2 another layout
+    skip = common_to_replicas(held, {0: replica, 1: replica, 2: other})
+    both = sorted(b.offsets for b in skip[0][("a", "float32")])
+    assert both == [(2, 0), (4, 0)] and skip[1] == skip[0]  # rows 0 and 6: one replica lacks each
+    assert skip[2] == {("a", "float32"): [Box((0, 0), (2, 4))]}  # alone in its layout: all it holds
+    assert common_to_replicas({0: set(rows), 1: set()}, {0: replica, 1: replica}) == {0: {}, 1: {}}

@@ -8,7 +8,14 @@ import ray
 
 import tensorwire as tw
 from tensorwire.collectives.weight_sync.protocol.spec import BucketSpan, ReceiveResult
-from tensorwire.collectives.weight_sync.report.telemetry import PairStats, failover_pairs, pairs_of, record
+from tensorwire.collectives.weight_sync.report.telemetry import (
+    PairSpan,
+    PairStats,
+    failover_pairs,
+    pairs_of,
+    plot_timeline,
+    record,
+)
 from tensorwire.transport.agent import metrics
 from tests.collectives.actors import Holder
 
@@ -128,3 +135,28 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
 
     with pytest.raises(ImportError, match=r"pip install 'tensorwire\[plot\]'"):
         SyncReport(1, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0).plot(str(tmp_path / "x.png"))
+
+
+def _pixels_near(image, rgb: tuple[float, float, float]) -> int:
+    return int((abs(image[:, :, :3] - list(rgb)).max(axis=2) < 0.02).sum())
+
+
+def test_the_timeline_plot_draws_every_bucket_as_a_bar_in_its_transports_colour(tmp_path):
+    """The picture, read back: bars in the colour of each transport (tab10's first two), longer
+    buckets more of it; a timeline with no buckets has none."""
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    blue, orange = plt.get_cmap("tab10")(0)[:3], plt.get_cmap("tab10")(1)[:3]
+    spans = [PairSpan("trainer 0", "receiver 0", "nixl", k, 0.01 * k, 0.008, 1) for k in range(4)]
+    spans.append(PairSpan("trainer 1", "receiver 1", "shm", 0, 0.0, 0.04, 1))
+    plot_timeline(spans, str(tmp_path / "both.png"))
+    image = matplotlib.image.imread(str(tmp_path / "both.png"))
+    nixl, shm = _pixels_near(image, blue), _pixels_near(image, orange)  # transports in sorted order
+    assert nixl > 500 and shm > 500, (nixl, shm)
+    plot_timeline(spans[:1], str(tmp_path / "one.png"))
+    one = matplotlib.image.imread(str(tmp_path / "one.png"))
+    assert 0 < _pixels_near(one, blue) < nixl and _pixels_near(one, orange) == 0
+    plot_timeline([], str(tmp_path / "none.png"))
+    none = matplotlib.image.imread(str(tmp_path / "none.png"))
+    assert _pixels_near(none, blue) == 0 and _pixels_near(none, orange) == 0
