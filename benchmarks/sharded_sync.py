@@ -24,7 +24,7 @@ import ray
 
 import tensorwire as tw
 from benchmarks.weight_sync import memcpy_gbps
-from tensorwire.bench.sharded import Bench, measure
+from tensorwire.bench.sharded import DEFAULT, EACH, FIRST, Bench, measure
 
 MIB = 1 << 20
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args.mib * MIB, bucket_bytes=args.bucket_mib * MIB)
     try:
         print(bench.sync.plan, flush=True)
-        samples = measure(bench, args.repeats, log=lambda line: print("  " + line, file=sys.stderr, flush=True))
+        samples, wrong = measure(bench, args.repeats, log=lambda line: print("  " + line, file=sys.stderr, flush=True))
     finally:
         bench.close()
     plan = bench.sync.plan
@@ -57,17 +57,24 @@ def main(argv: list[str] | None = None) -> int:
         f"{memcpy:.2f} GB/s -> bound {bound:.3f} s; median of {args.repeats}"
     )
     header = ("method", "seconds", "GB/s", "moved MiB", "x plan", "x bound", "vs tensorwire")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (32, 8, 6, 10, 7, 8, 14), strict=True)))
+    header = (*header, "#wrong")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (52, 8, 6, 10, 7, 8, 14, 8), strict=True)))
     for name, seconds in medians.items():
         moved = sum(n for (t, r), n in pairs[name].items())
+        spread = f"[{min(samples[name]):.3f}-{max(samples[name]):.3f}]"
         print(
-            f"{name:>32} {seconds:8.3f} {plan_bytes / seconds / 1e9:6.2f} {moved / MIB:10.0f} "
-            f"{moved / plan_bytes:7.2f} {seconds / bound:8.2f} {seconds / ours:13.2f}x"
+            f"{name:>52} {seconds:8.3f} {plan_bytes / seconds / 1e9:6.2f} {moved / MIB:10.0f} "
+            f"{moved / plan_bytes:7.2f} {seconds / bound:8.2f} {seconds / ours:13.2f}x {wrong[name]:8d} {spread}"
         )
     print("bytes per (trainer, receiver) pair, MiB (receiver -1: trainer to trainer):")
     for name, table in pairs.items():
         print(f"  {name}: " + ", ".join(f"{k}: {v / MIB:.0f}" for k, v in sorted(table.items())))
     gather = medians["gather on trainer 0, push whole"]
+    each, first = medians[EACH], medians[DEFAULT + FIRST]
+    print(
+        f"default (all-or-none): {ours / each:.2f}x commit='each'; first push {first / ours:.2f}x a later push; "
+        f"{ours / (plan_bytes / (memcpy * 1e9)):.2f}x one memcpy of the plan's bytes"
+    )
     print(
         f"tensorwire: {gather / ours:.2f}x the gather-then-push baseline, {medians['Ray object store'] / ours:.2f}x "
         f"Ray's object store; {ours / bound:.2f}x the memcpy bound for the plan's bytes"
@@ -79,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                     "plan_nbytes": plan_bytes,
                     "memcpy_gbps": memcpy,
                     "samples_s": samples,
+                    "wrong_nbytes": wrong,
                     "pairs": {m: {f"{t}->{r}": n for (t, r), n in p.items()} for m, p in pairs.items()},
                 },
                 f,

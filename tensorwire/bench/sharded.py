@@ -4,12 +4,18 @@ A transformer-shaped state (per layer q, k, v, o, gate, up, down and a norm, flo
 half by each of 2 trainer actors (rows, as FSDP does); 4 receiver actors (bfloat16, as inference
 engines hold weights) are 2 replicas of 2 tensor-parallel ranks with fused ``qkv`` / ``gate_up``
 (column parallel), row-parallel ``o`` / ``down`` and replicated norms. Every method leaves the
-same bytes in the receivers' tensors (checked against tensorwire's by checksum after every
-round):
+same bytes in the receivers' tensors. The trainers' values change every round (a new seed), and
+every round of every method is checked by checksum against the one pass below, computed in this
+process from the same seeds, independently of any method (``wrong``: the bytes of receivers that
+hold anything else):
 
 * ``tensorwire WeightSync``: the plan; each receiver reads its bytes from the trainers into
   its shadow copy and all commit together (the default, all-or-none); with ``commit='each'``
-  each receiver reads in place and commits on its own (best effort, as the baselines are).
+  each receiver reads in place and commits on its own (best effort, as the baselines are); with
+  ``aside='none'`` all-or-none with no shadow (it needs every byte held by two trainers: a second
+  pair of trainer halves with the same values joins that sync). Each of these also has a ``first
+  push`` row: a sync made anew (its rehearsal included in the making, not in the row) and timed
+  on its first push.
 * ``gather on trainer 0, push whole`` (what most RL frameworks do): the trainers all-gather
   every parameter (gloo), trainer 0 broadcasts it whole to the receivers (gloo), each keeps
   its slice.
@@ -39,7 +45,7 @@ from tensorwire.collectives.weight_sync.planning.plan import Fuse, plan_sync
 from tensorwire.collectives.weight_sync.streams.staging import checksum
 from tensorwire.runtime.ray import calls
 
-__all__ = ["HIDDEN", "Bench", "run"]
+__all__ = ["DEFAULT", "EACH", "FIRST", "HIDDEN", "NO_ASIDE", "ONE_PASS", "Bench", "run"]
 
 _TIMEOUT_S = 600.0
 
@@ -52,7 +58,10 @@ HIDDEN, FFN = 1024, 2816
 TRAINERS, REPLICAS, TP = 2, 2, 2
 RECEIVER_DTYPE = torch.bfloat16
 ONE_PASS = "memcpy: one pass over the plan (read + convert)"
+DEFAULT = "tensorwire WeightSync"
 EACH = "tensorwire WeightSync, commit='each'"
+NO_ASIDE = "tensorwire WeightSync, aside='none'"
+FIRST = ", first push"
 _PARTS = {
     "q": (HIDDEN, HIDDEN),
     "k": (HIDDEN, HIDDEN),
@@ -136,13 +145,20 @@ class OnePass:
     the way, in this process."""
 
     def __init__(self, model: dict[str, tuple[int, ...]], coords: list[tuple[int, int]], dtype: torch.dtype) -> None:
-        self.sources = [
-            {n: p.tensor for n, p in held_pieces(trainer_entries(r, model), r + 1).items()} for r in range(TRAINERS)
-        ]
+        self.model = model
+        self.sources: list[dict[str, torch.Tensor]] = []
+        self.step(0)
         self.targets = [
             {n: p.tensor for n, p in held_pieces(receiver_entries(c, model), None, dtype).items()} for c in coords
         ]
         self.cuts: dict[int, list[tuple[Any, ...]]] = {}
+
+    def step(self, seed: int) -> None:
+        """The trainers' values of round ``seed`` (what every trainer rank holds then)."""
+        self.sources = [
+            {n: p.tensor for n, p in held_pieces(trainer_entries(r, self.model), seed + r + 1).items()}
+            for r in range(TRAINERS)
+        ]
 
     def run(self) -> None:
         for r, cuts in self.cuts.items():
@@ -169,6 +185,11 @@ class ShardedRank:
 
     def state_dict(self) -> dict[str, Sharded]:
         return self.pieces
+
+    def step(self, entries: dict[str, tuple], seed: int) -> None:
+        """A trainer rank: new values (round ``seed``), in the same tensors."""
+        for name, piece in held_pieces(entries, seed).items():
+            self.pieces[name].tensor.copy_(piece.tensor)
 
     def digest(self) -> int:
         return checksum([p.tensor for p in self.pieces.values()])
@@ -214,7 +235,7 @@ class ShardedRank:
 
 
 class Bench:
-    """The actors, groups and sync of one run, and its methods (call :meth:`close`)."""
+    """The actors, groups and syncs of one run, and its methods (call :meth:`close`)."""
 
     def __init__(
         self, nbytes: int, *, bucket_bytes: int = 64 << 20, receiver_dtype: torch.dtype = RECEIVER_DTYPE
@@ -222,13 +243,14 @@ class Bench:
         self.model = shapes(nbytes)
         self.coords = [(r, t) for r in range(REPLICAS) for t in range(TP)]
         self.trainers = [ShardedRank.remote(trainer_entries(r, self.model), seed=r + 1) for r in range(TRAINERS)]
+        self.replicas = [ShardedRank.remote(trainer_entries(r, self.model), seed=r + 1) for r in range(TRAINERS)]
         self.receivers = [
             ShardedRank.remote(receiver_entries(c, self.model), seed=None, dtype=receiver_dtype) for c in self.coords
         ]
         rename, fuse = mapping(self.model)
-        options = {"rename": rename, "fuse": fuse, "bucket_bytes": bucket_bytes, "progress": False}
-        self.sync = tw.WeightSync(self.trainers, self.receivers, **options)
-        self.sync_each = tw.WeightSync(self.trainers, self.receivers, commit="each", **options)
+        self.options = {"rename": rename, "fuse": fuse, "bucket_bytes": bucket_bytes, "progress": False}
+        self.syncs = {mode: self.make_sync(mode) for mode in (DEFAULT, EACH, NO_ASIDE)}
+        self.sync = self.syncs[DEFAULT]
         tw.collective.create_group(self.trainers, backend="gloo", name="tw-bench-gather")
         tw.collective.create_group([self.trainers[0], *self.receivers], backend="gloo", name="tw-bench-push")
         self._object_cuts = self._cuts(self.sync.plan)
@@ -239,8 +261,31 @@ class Bench:
         self._whole_cuts = self._cuts(whole)
         self.one_pass = OnePass(self.model, self.coords, receiver_dtype)
         self.one_pass.cuts = self._object_cuts
-        self.expected: list[int] = []
+        self.expected: list[int] = []  # the receivers' digests the one pass gives this round
+        self.receiver_nbytes = [sum(p.nbytes for p in layouts[i]) for i in range(len(self.receivers))]
         self.last_report: Any = None  # the last tensorwire push's report (its timeline)
+        self.step(0)
+
+    def make_sync(self, mode: str) -> tw.WeightSync:
+        """A new sync of ``mode`` (its rehearsal included): ``aside='none'`` over both pairs of
+        trainer halves (every byte held twice), the others over the first pair."""
+        if mode == NO_ASIDE:
+            trainers = [*self.trainers, *self.replicas]
+            return tw.WeightSync(trainers, self.receivers, aside="none", name="bench-none", **self.options)
+        commit = "each" if mode == EACH else "all"
+        return tw.WeightSync(self.trainers, self.receivers, commit=commit, name=f"bench-{commit}", **self.options)
+
+    def step(self, seed: int) -> None:
+        """Round ``seed``: new values in every trainer, and the digests the one pass gives from
+        them (computed here, independently of every method)."""
+        _gather(
+            [t.step.remote(trainer_entries(r, self.model), seed + r + 1) for r, t in enumerate(self.trainers)]
+            + [t.step.remote(trainer_entries(r, self.model), seed + r + 1) for r, t in enumerate(self.replicas)]
+        )
+        self.one_pass.step(seed)
+        self.one_pass.clear()
+        self.one_pass.run()
+        self.expected = self.one_pass.digests()
 
     def _whole_layout(self) -> list[Any]:
         from tensorwire.collectives.weight_sync.planning.layout import Box, ParamPiece
@@ -259,9 +304,10 @@ class Bench:
         trainer-to-trainer bytes under receiver -1)."""
         full = sum(torch.Size(s).numel() * 4 for s in self.model.values())
         n = len(self.receivers)
+        plans = {mode: sync.plan.pair_nbytes() for mode, sync in self.syncs.items()}
         return {
-            "tensorwire WeightSync": self.sync.plan.pair_nbytes(),
-            EACH: self.sync_each.plan.pair_nbytes(),
+            **plans,
+            **{mode + FIRST: pairs for mode, pairs in plans.items()},
             "gather on trainer 0, push whole": {
                 **{(0, r): full for r in range(n)},
                 (1, -1): full // 2,
@@ -290,9 +336,9 @@ class Bench:
             boxes = _gather([t.put_shard.remote() for t in self.trainers])
             _gather([r.load_shards.remote(boxes) for r in self.receivers])
 
+        tensorwire = {mode: (lambda sync=sync: push(sync), False) for mode, sync in self.syncs.items()}
         return {
-            "tensorwire WeightSync": (lambda: push(self.sync), False),
-            EACH: (lambda: push(self.sync_each), False),
+            **tensorwire,
             "gather on trainer 0, push whole": (gather, True),
             "Ray object store": (store, True),
             ONE_PASS: (self.one_pass.run, True),
@@ -306,40 +352,59 @@ class Bench:
         _gather([r.set_cuts.remote(cuts[i]) for i, r in enumerate(self.receivers)])
         _gather([r.clear.remote() for r in self.receivers])
 
-    def right(self, method: str) -> bool:
-        """Every receiver (or the one pass's targets) holds what tensorwire's first push left there."""
-        if method == ONE_PASS:
-            return not self.expected or self.one_pass.digests() == self.expected
-        got = _gather([r.digest.remote() for r in self.receivers])
-        if not self.expected:
-            self.expected = got
-        return got == self.expected
+    def wrong_nbytes(self, method: str) -> int:
+        """Bytes of the receivers (or the one pass's targets) that hold anything but what the
+        one pass gives from this round's trainer values."""
+        got = self.one_pass.digests() if method == ONE_PASS else _gather([r.digest.remote() for r in self.receivers])
+        return sum(n for n, a, b in zip(self.receiver_nbytes, got, self.expected, strict=True) if a != b)
+
+    def first_push(self, mode: str) -> float:
+        """Seconds of the first push of a sync of ``mode`` made anew (not its making)."""
+        self.prepare(mode)
+        sync = self.make_sync(mode)
+        try:
+            start = time.perf_counter()
+            report = sync.push()
+            elapsed = time.perf_counter() - start
+        finally:
+            sync.close()
+        if not report.ok:
+            raise RuntimeError(f"weight sync failed: {report.failed}")
+        return elapsed
 
     def close(self) -> None:
-        self.sync.close()
-        self.sync_each.close()
+        for sync in self.syncs.values():
+            sync.close()
         for name in ("tw-bench-gather", "tw-bench-push"):
             tw.collective.destroy_group(name)
 
 
-def measure(bench: Bench, rounds: int, log: Callable[[str], None] = lambda _s: None) -> dict[str, list[float]]:
-    """Seconds per round of each method (round 0 warms up, not kept), orders rotated; raises
-    on wrong data."""
+def measure(
+    bench: Bench, rounds: int, log: Callable[[str], None] = lambda _s: None
+) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Seconds per round of each method (round 0 warms up, not kept), orders rotated, the
+    trainers' values new each round; and each method's wrong bytes over the kept rounds."""
     methods = bench.methods()
     names = list(methods)
-    samples: dict[str, list[float]] = {n: [] for n in names}
+    samples: dict[str, list[float]] = {n: [] for n in [*names, *(m + FIRST for m in bench.syncs)]}
+    wrong = dict.fromkeys(samples, 0)
     for index in range(rounds + 1):
+        bench.step(1000 * index)
         for name in names[index % len(names) :] + names[: index % len(names)]:
             bench.prepare(name)
             start = time.perf_counter()
             methods[name][0]()
             elapsed = time.perf_counter() - start
-            if not bench.right(name):
-                raise RuntimeError(f"{name}: the receivers hold other bytes than tensorwire's push left")
             if index:
                 samples[name].append(elapsed)
+                wrong[name] += bench.wrong_nbytes(name)
             log(f"round {index} {name}: {elapsed:.3f} s")
-    return samples
+        for mode in bench.syncs if index else ():
+            elapsed = bench.first_push(mode)
+            samples[mode + FIRST].append(elapsed)
+            wrong[mode + FIRST] += bench.wrong_nbytes(mode)
+            log(f"round {index} {mode}{FIRST}: {elapsed:.3f} s")
+    return samples, wrong
 
 
 def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
@@ -353,23 +418,25 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     try:
         bench = Bench(options.max_bytes)
         try:
-            progress.total += len(bench.methods())  # a step per method, added once known
+            progress.total += len(bench.methods()) + len(bench.syncs)  # a step per row, added once known
             plan_bytes = bench.sync.plan.nbytes
-            samples = measure(bench, max(1, min(options.iterations, 5)))
+            samples, wrong = measure(bench, max(1, min(options.iterations, 5)))
             for method, times in samples.items():
-                result = {"times": times, "wrong": 0}
+                ours = method.startswith("tensorwire")
+                result = {"times": times, "wrong": wrong[method] if options.check else -1}
+                reason = "2 fp32 trainer halves -> 2 bf16 replicas x TP 2"
                 rows.append(
                     make_row(
                         "sharded-sync",
                         method,
                         result,
-                        baseline=not method.startswith("tensorwire"),
+                        baseline=not ours,
                         nbytes=plan_bytes,
                         tensors=len(bench.model),
                         peers=len(bench.receivers),
                         rate=plan_bytes / statistics.median(times) / 1e9,
-                        transport="auto" if method.startswith("tensorwire") else "",
-                        reason="2 fp32 trainer halves -> 2 bf16 replicas x TP 2",
+                        transport="auto" if ours else "",
+                        reason=reason + (" (4 trainers: each half twice)" if method.startswith(NO_ASIDE) else ""),
                     )
                 )
                 progress.step(f"sharded-sync {method}")
@@ -381,4 +448,3 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     finally:
         if started:
             calls.shutdown()
-    return rows

@@ -198,7 +198,11 @@ class WeightSync:
                 "lost mid-push can be replaced; here some have one: use aside='shadow'"
             )
         if prepare:
-            self.prepare()
+            try:
+                self.prepare()
+            except BaseException:
+                self.close()  # (the members let go of what the rehearsal made)
+                raise
 
     def _describe_trainers(self, mapping: NameMap) -> None:
         """Each trainer's pieces and address, and the plan over them (receivers come next)."""

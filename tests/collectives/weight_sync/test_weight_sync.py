@@ -110,8 +110,8 @@ def test_ring_reads_go_through_a_ring_of_at_most_two_slots(ray_local):
     trainer = Holder.options(**with_env(TENSORWIRE_SYNC_READS="ring")).remote(100, 16 << 20, seed=1)
     receivers = [Holder.remote(100, 16 << 20, seed=None) for _ in range(2)]
     bucket = 2 << 20
+    sampler = PeakSampler()  # (from before the sync is made: its rehearsal makes the ring)
     sync = tw.WeightSync(trainer, receivers, source="weights", bucket_bytes=bucket)
-    sampler = PeakSampler()
     report = sync.push()
     peak = sampler.stop()
     assert report.ok, report.failed
@@ -195,7 +195,9 @@ def test_verify_catches_a_bucket_corrupted_on_the_way(ray_local):
     trainer = Holder.remote(8, 4 << 20, seed=1)
     receivers = [Holder.options(**broken).remote(8, 4 << 20, seed=None) for _ in range(2)]
     expected = ray.get(trainer.digest.remote())
-    options = {"source": "weights", "transport": "host", "bucket_bytes": 1 << 20}
+    options = {"source": "weights", "transport": "host", "bucket_bytes": 1 << 20, "prepare": False}
+    with pytest.raises(tw.TensorwireError, match=r"rehearsal failed .* checksum mismatch"):
+        tw.WeightSync(trainer, receivers, verify=True, **{**options, "prepare": True})  # caught when made
     checked = tw.WeightSync(trainer, receivers, verify=True, name="checked", **options)
     unchecked = tw.WeightSync(trainer, receivers, name="unchecked", **options)
     try:
