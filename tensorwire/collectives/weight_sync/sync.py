@@ -110,6 +110,11 @@ class WeightSync:
         prepare: Rehearse a push when the sync is made (:meth:`prepare`), so that the first
             push costs what later ones do: receivers' aside copies allocated and touched,
             staging and connections made; nothing is committed.
+        publish: How receivers publish a version assembled in shadows, inside their fence:
+            ``"copy"`` (one local copy per tensor) or ``"swap"``: each tensor and its shadow
+            trade memory (no copy; the tensor objects stay, a module's parameters included).
+            Only where the receiver allows it: views taken of its tensors before a push (an
+            engine's cached views, CUDA graphs) keep the old memory.
 
     Attributes:
         version: The last version pushed (or being pushed).
@@ -141,6 +146,7 @@ class WeightSync:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         stall_s: float | None = None,
         prepare: bool = True,
+        publish: str = "copy",
     ) -> None:
         trainers = (trainers,) if isinstance(trainers, ActorHandle) else tuple(trainers)
         check_actors([*trainers, *receivers], "WeightSync (trainers and receivers)")
@@ -151,6 +157,7 @@ class WeightSync:
             commit=commit,
             aside=aside,
             atomic=atomic,
+            publish=publish,
             on_commit=on_commit,
             transport=transport,
             timeout_s=timeout_s,
@@ -165,7 +172,7 @@ class WeightSync:
         self.atomic = atomic
         self.fence = fence
         self.commit = commit
-        self.aside = aside
+        self.aside, self.publish = aside, publish
         self.on_commit = on_commit
         self.transform = transform
         self.progress = sys.stderr.isatty() if progress is None else progress
@@ -452,6 +459,7 @@ def _checked_settings(
     commit: str,
     aside: str,
     atomic: bool,
+    publish: str,
     on_commit: object,
     transport: str,
     timeout_s: float,
@@ -468,6 +476,8 @@ def _checked_settings(
         raise ValueError(f"commit={commit!r}: expected 'all' (every receiver or none) or 'each' (each on its own)")
     if aside not in ("shadow", "none") or (aside == "none" and (commit != "all" or atomic)):
         raise ValueError(f"aside={aside!r}: expected 'shadow', or 'none' with commit='all' (and no atomic)")
+    if publish not in ("copy", "swap") or (publish == "swap" and (aside == "none" or (commit != "all" and not atomic))):
+        raise ValueError(f"publish={publish!r}: expected 'copy', or 'swap' where versions are assembled in shadows")
     if on_commit is not None and not (isinstance(on_commit, str) and on_commit) and not callable(on_commit):
         raise TypeError("on_commit must name a receiver method or be a function f(actor, version)")
     if stall_s is not None and validate_timeout(stall_s) >= timeout_s:

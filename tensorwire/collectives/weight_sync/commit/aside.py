@@ -2,7 +2,8 @@
 
 *Shadows*: a copy of each receiver tensor that a push with ``spec.shadow`` (``atomic``, or the
 all-or-none default) writes into, published by one local copy inside the fence
-(:func:`..commit.receiver.commit`). *Float8 staging*: a tensor of the wire dtype per float8
+(:func:`..commit.receiver.commit`), or by the two trading memory (:func:`swap_in`,
+``publish="swap"``). *Float8 staging*: a tensor of the wire dtype per float8
 parameter, quantised into the parameter (or its shadow) with a per-tensor scale
 (:func:`quantise`). Both are dropped by :func:`release`.
 """
@@ -13,7 +14,7 @@ import torch
 
 from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
 
-__all__ = ["aside_nbytes", "destinations", "quantise", "release", "shadow_of"]
+__all__ = ["aside_nbytes", "destinations", "quantise", "release", "shadow_of", "swap_in"]
 
 _shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> shadow, or (sync id, -1 - param) fp8 staging
 
@@ -73,3 +74,15 @@ def quantise(spec: PushSpec, targets: list[torch.Tensor], dsts: list[torch.Tenso
         scale = (high.abs().max() / top).clamp(min=1e-12)
         out.copy_((high / scale).clamp(-top, top).to(out.dtype))
         shadow_of(spec, targets, scale_param).fill_(scale.item())
+
+
+def swap_in(spec: PushSpec, targets: list[torch.Tensor], i: int) -> None:
+    """Publish target ``i`` by trading memory with its shadow (``publish="swap"``): the tensor
+    object stays (a module's parameter stays the same ``Parameter``) and now holds the shadow's
+    memory, which has the new version; the shadow takes the old memory, for the next push to
+    fill. No bytes are copied. Views taken of the target before see the old memory."""
+    target, shadow = targets[i], shadow_of(spec, targets, i)
+    with torch.no_grad():
+        old = target.data  # holds the target's memory while the two trade
+        target.set_(shadow.untyped_storage(), shadow.storage_offset(), shadow.size(), shadow.stride())
+        shadow.set_(old.untyped_storage(), old.storage_offset(), old.size(), old.stride())

@@ -169,7 +169,8 @@ def check_commit(actor: object, spec: PushSpec) -> None:
 
 def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
     """Make version ``spec.version`` the receiver's: assembled aside, one local copy inside its
-    fence (readers holding the fence see whole versions); then its ``on_commit`` hook, once
+    fence, or (``publish="swap"``) each tensor and its shadow trade memory there (readers
+    holding the fence see whole versions); then its ``on_commit`` hook, once
     per version (a push of a version it committed already, a failover's second try, changes
     nothing: it read nothing new)."""
     if committed_already(spec):
@@ -177,7 +178,10 @@ def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
     if spec.shadow:
         with _fence(actor, spec):
             for i, target in enumerate(targets):
-                target.copy_(aside.shadow_of(spec, targets, i))
+                if spec.publish == "swap":
+                    aside.swap_in(spec, targets, i)
+                else:
+                    target.copy_(aside.shadow_of(spec, targets, i))
             _publish(spec)
     else:
         _publish(spec)  # in place: inside the fence held since the vote

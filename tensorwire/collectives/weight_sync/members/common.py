@@ -58,13 +58,15 @@ def at_fault_point(role: str, k: int) -> None:
         hook(role, k)
 
 
-def holder_value(actor: object, where: str | None, role: str) -> dict[str, Any]:
+def holder_value(actor: object, where: str | None, role: str, *, own_tensors: bool = False) -> dict[str, Any]:
     """The named tensors of an actor: ``actor.<where>`` (a module, a dict, or a method giving
-    either); by default its ``state_dict()`` method when it has one, else its ``model``."""
+    either); by default its ``state_dict()`` method when it has one, else its ``model``.
+    ``own_tensors``: a module's parameters and buffers themselves, not detached views of them
+    (to swap memory into them)."""
     if where is None:
         method = getattr(actor, "state_dict", None)
         if callable(method):
-            return _as_dict(method(), "state_dict()", role)
+            return _as_dict(method(), "state_dict()", role, own_tensors)
         where = "model"
     if not isinstance(where, str) or not where:
         raise ValueError(f"{role} must name an attribute or method of the actor")
@@ -76,12 +78,12 @@ def holder_value(actor: object, where: str | None, role: str) -> dict[str, Any]:
     value = getattr(actor, where)
     if callable(value) and not isinstance(value, torch.nn.Module):
         value = value()
-    return _as_dict(value, where, role)
+    return _as_dict(value, where, role, own_tensors)
 
 
-def _as_dict(value: Any, where: str, role: str) -> dict[str, Any]:
+def _as_dict(value: Any, where: str, role: str, own_tensors: bool = False) -> dict[str, Any]:
     if isinstance(value, torch.nn.Module):
-        value = value.state_dict(keep_vars=False)
+        value = value.state_dict(keep_vars=own_tensors)
     if not isinstance(value, dict):
         raise TypeError(f"{role} {where!r} gives {type(value).__name__}, not an nn.Module or a dict of tensors")
     return value
@@ -137,7 +139,8 @@ def view(tensor: torch.Tensor, where: tuple[slice, ...] | None) -> torch.Tensor:
 
 def member_tensors(actor: object, spec: PushSpec, role: str) -> list[torch.Tensor]:
     """The actor's tensors in the order of ``spec.layout``; ``ValueError`` if they changed."""
-    mine, tensors = describe_value(holder_value(actor, spec.where, role), role)
+    own = role == "target" and spec.shadow and spec.publish == "swap"
+    mine, tensors = describe_value(holder_value(actor, spec.where, role, own_tensors=own), role, own_tensors=own)
     if _layout_key(mine) != memo(spec.layout, _layout_key):
         who = "trainer" if role == "source" else "receiver"
         raise ValueError(f"the {who}'s tensors changed shape, dtype or names since the WeightSync was made")

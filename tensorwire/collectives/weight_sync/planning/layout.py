@@ -281,8 +281,11 @@ def _is_dtensor(value: Any) -> bool:
     return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
 
 
-def describe_value(value: dict[str, Any], role: str) -> tuple[list[ParamPiece], list[torch.Tensor]]:
-    """The pieces a holder's ``source``/``target`` dict describes, and the local tensors."""
+def describe_value(
+    value: dict[str, Any], role: str, *, own_tensors: bool = False
+) -> tuple[list[ParamPiece], list[torch.Tensor]]:
+    """The pieces a holder's ``source``/``target`` dict describes, and the local tensors
+    (detached; ``own_tensors``: the tensor objects themselves, to swap memory into them)."""
     import torch
 
     layout, tensors = [], []
@@ -307,5 +310,5 @@ def describe_value(value: dict[str, Any], role: str) -> tuple[list[ParamPiece], 
         else:
             raise TypeError(f"{role} {name!r} is {type(item).__name__}, not a tensor, a DTensor or a Sharded")
         layout.append(held)
-        tensors.append(local.detach())
+        tensors.append(local if own_tensors else local.detach())
     return layout, tensors

@@ -42,6 +42,7 @@ class SyncSettings(Protocol):
     progress: bool
     atomic: bool
     commit: str
+    publish: str
     fence: str | None
     on_commit: str | Callable[[Any, int], None] | None
     transform: Callable[[str, Any], Any] | None
@@ -187,6 +188,7 @@ def _receiver_spec(sync: SyncSettings, common: dict[str, Any], in_place: bool, v
         **common,
         where=sync.target,
         shadow=(sync.atomic or sync.commit == "all") and not in_place,
+        publish=sync.publish,
         scales=scales,
         on_commit=sync.on_commit,
         in_place=in_place,

@@ -60,6 +60,7 @@ class PushSpec:
     timeout_s: float
     driver: bytes = b""
     shadow: bool = False  # receiver: assemble the version in shadow copies, published inside the fence
+    publish: str = "copy"  # receiver with shadows: "copy" them into its tensors, or "swap" memory with them
     fence: str | None = None
     scales: tuple[tuple[int, int], ...] = ()  # receiver: (float8 param, its scale param)
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None

@@ -121,3 +121,34 @@ def test_prepare_has_nothing_to_rehearse_where_receivers_write_in_place(ray_loca
         assert ray.get(receivers[0].aside_nbytes.remote(sync.sync_id)) == 0 and sync.versions() == [0]
     finally:
         sync.close()
+
+
+@pytest.mark.parametrize("publish", ["swap", "copy"])
+def test_publish_swap_trades_memory_with_the_shadows_and_copy_copies(ray_local, publish):
+    """``publish="swap"``: each receiver tensor stays the same object but takes its shadow's
+    memory (the new version), the shadow the old memory, so two buffers alternate from push to
+    push; ``"copy"`` keeps the tensors' memory. The bytes are the trainer's either way."""
+    trainer, receivers, sync = make(receivers=2, publish=publish)
+    try:
+        before = ray.get(receivers[0].data_ptrs.remote())
+        pointers = []
+        for step in range(3):
+            ray.get(trainer.step.remote(step + 10))
+            assert sync.push().ok
+            assert digests(receivers) == [ray.get(trainer.digest.remote())] * 2
+            pointers.append(ray.get(receivers[0].data_ptrs.remote()))
+        if publish == "swap":
+            assert pointers[0] != before and pointers[1] == before and pointers[2] == pointers[0]
+        else:
+            assert pointers == [before] * 3
+        assert sync.versions() == [3, 3]
+    finally:
+        sync.close()
+
+
+def test_publish_swap_needs_shadows(ray_local):
+    trainer = Holder.remote(2, 1 << 16, seed=1)
+    receiver = Holder.remote(2, 1 << 16, seed=None)
+    for bad in ({"publish": "move"}, {"publish": "swap", "commit": "each"}):
+        with pytest.raises(ValueError, match="publish="):
+            tw.WeightSync(trainer, [receiver], source="weights", **bad)
