@@ -157,7 +157,10 @@ class _Intake:
         self.acked = {role.stream: 0 for role in spec.roles}  # stream -> buckets acknowledged
         self.lost: dict[int, TrainerLost] = {}  # stream -> its trainer died or stalled: the others are still read
         trainers = {role.parent for role in spec.roles if 0 <= role.parent < spec.trainers}
-        self.watches = {rank: StallWatch(spec) for rank in trainers}  # each trainer's progress
+        me = self.channel.members[spec.rank].peer
+        self.watches = {  # each trainer's progress
+            rank: StallWatch(spec, same_machine=self.channel.members[rank].peer.same_machine(me)) for rank in trainers
+        }
 
     def read_all(self, dsts: list[torch.Tensor]) -> None:
         """Every bucket of every stream, level by level (at most one level of acknowledgements

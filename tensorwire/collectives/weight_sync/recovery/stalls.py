@@ -13,9 +13,11 @@ hang), not only one that stopped sending. A receiver waiting for a trainer's nex
   ``timeout_s`` for one bucket (a process that runs but never sends: a stuck collective).
 
 The adaptive patience is :data:`PATIENCE_BUCKETS` times the longest gap between two of the
-trainer's buckets seen so far in this push, and at least :data:`PATIENCE_FLOOR_S`: a stopped
-trainer is found within a few seconds plus one bucket time, a trainer slowed down by a loaded
-machine is not declared stalled.
+trainer's buckets seen so far in this push, and at least :data:`PATIENCE_FLOOR_S` for a trainer
+on another node (a ping answered late is not proof), :data:`PATIENCE_FLOOR_SAME_MACHINE_S` for one
+on this machine (whether it is stopped is read exactly from ``/proc``): a stopped trainer is found
+within that plus one bucket time, a trainer slowed down by a loaded machine is not declared
+stalled.
 
 The receiver then tells the driver (:func:`report_stall`) and goes on reading its other
 trainers; the driver, polling while the push runs (:func:`stalled`), treats the trainer as
@@ -39,13 +41,15 @@ from tensorwire.transport.agent.wire import peer_from_bytes
 __all__ = [
     "PATIENCE_BUCKETS",
     "PATIENCE_FLOOR_S",
+    "PATIENCE_FLOOR_SAME_MACHINE_S",
     "RESPONSIVE_LIMIT_FRACTION",
     "StallWatch",
     "report_stall",
     "stalled",
 ]
 
-PATIENCE_FLOOR_S = 3.0  # adaptive: the least time a receiver waits before it looks at the trainer
+PATIENCE_FLOOR_S = 3.0  # adaptive: the least time a receiver waits before it looks at a trainer on another node
+PATIENCE_FLOOR_SAME_MACHINE_S = 0.5  # adaptive: the same for a trainer on this machine (an exact look)
 PATIENCE_BUCKETS = 4  # adaptive: the patience in gaps between the trainer's buckets (the longest seen)
 RESPONSIVE_LIMIT_FRACTION = 0.5  # adaptive: a trainer that can act but sends nothing stalls after this x timeout_s
 
@@ -53,8 +57,9 @@ RESPONSIVE_LIMIT_FRACTION = 0.5  # adaptive: a trainer that can act but sends no
 class StallWatch:
     """A receiver's view of one trainer's progress in one push (see the module doc)."""
 
-    def __init__(self, spec: PushSpec) -> None:
+    def __init__(self, spec: PushSpec, *, same_machine: bool = False) -> None:
         self.explicit_s = spec.stall_s  # 0: adaptive
+        self.floor_s = PATIENCE_FLOOR_SAME_MACHINE_S if same_machine else PATIENCE_FLOOR_S
         self.limit_s = RESPONSIVE_LIMIT_FRACTION * spec.timeout_s
         self._last = time.monotonic()
         self._longest_gap_s = 0.0
@@ -63,7 +68,7 @@ class StallWatch:
         """How long to wait for the next bucket before deciding."""
         if self.explicit_s:
             return self.explicit_s
-        return max(PATIENCE_FLOOR_S, PATIENCE_BUCKETS * self._longest_gap_s)
+        return max(self.floor_s, PATIENCE_BUCKETS * self._longest_gap_s)
 
     def arrived(self) -> None:
         """A bucket from the trainer came now."""

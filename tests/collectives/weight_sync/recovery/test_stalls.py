@@ -31,6 +31,7 @@ def _spec(stall_s: float = 0.0, timeout_s: float = 100.0) -> PushSpec:
 def test_adaptive_patience_grows_with_the_slowest_bucket_and_has_a_floor(monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr(stalls.time, "monotonic", lambda: clock[0])
+    assert StallWatch(_spec(), same_machine=True).patience_s() == stalls.PATIENCE_FLOOR_SAME_MACHINE_S  # exact look
     watch = StallWatch(_spec())
     assert watch.patience_s() == stalls.PATIENCE_FLOOR_S  # nothing seen yet
     clock[0] += 0.1
