@@ -56,6 +56,8 @@ class PushingSync(SyncSettings, Protocol):
 
     def trainer_responds(self, position: int) -> bool: ...
 
+    def trainer_stopped(self, position: int) -> bool: ...
+
 
 class Prepared(NamedTuple):
     """A push's setup, kept between pushes over the same receivers (``key``)."""
@@ -112,7 +114,7 @@ def run_try(
             trainer_roles,
             vote=running.vote,
             trainers=running.trainers,
-            responds=sync.trainer_responds,
+            stopped=sync.trainer_stopped,
         )
     finally:
         if prepared.in_place and running.vote is not None and running.vote.committed:

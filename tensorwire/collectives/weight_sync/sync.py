@@ -54,6 +54,7 @@ from tensorwire.collectives.weight_sync.planning.plan import Arrived, Fuse, Name
 from tensorwire.collectives.weight_sync.push import Prepared, abandon, run_try
 from tensorwire.collectives.weight_sync.recovery import failover, late_joiners
 from tensorwire.collectives.weight_sync.recovery.failover import two_sources
+from tensorwire.collectives.weight_sync.recovery.stalls import PATIENCE_FLOOR_S
 from tensorwire.collectives.weight_sync.report.summary import SyncReport
 from tensorwire.collectives.weight_sync.report.telemetry import failover_pairs, record
 from tensorwire.errors import TensorwireError, TrainerLost
@@ -398,10 +399,17 @@ class WeightSync:
         return f"trainer {self._trainer_ids[position]}"
 
     def trainer_responds(self, position: int) -> bool:
-        """Whether the trainer at ``position`` can act now (alive, not stopped; on another node:
-        it answers within a second)."""
+        """Whether the trainer at ``position`` can act now: alive and not stopped; on another
+        node, it answers a ping within the stall floor (3 s: a busy process answers sooner)."""
         peer = peer_from_bytes(self.trainer_descriptions[position][0])
-        return runtime_agent().peer_responds(peer, timeout_s=1.0)
+        return runtime_agent().peer_responds(peer, timeout_s=PATIENCE_FLOOR_S)
+
+    def trainer_stopped(self, position: int) -> bool:
+        """Whether the trainer at ``position`` is alive but cannot act (stopped); one known to
+        have exited is not stopped (its call fails, and the push fails over)."""
+        peer = peer_from_bytes(self.trainer_descriptions[position][0])
+        agent = runtime_agent()
+        return agent.peer_may_be_alive(peer) and not agent.peer_responds(peer, timeout_s=PATIENCE_FLOOR_S)
 
     def drop_trainer(self, position: int, plan: Plan) -> None:
         """Leave the trainer at ``position`` out from now on, with ``plan`` over the others (a

@@ -41,27 +41,25 @@ class PushWait:
         *,
         vote: Vote | None,
         trainers: Sequence[Any],
-        responds: Callable[[int], bool] = lambda _rank: True,
+        stopped: Callable[[int], bool] = lambda _rank: False,
     ) -> Waited:
         """Wait until every member's call (``members``: call -> who; ``trainers``: the trainers'
         calls in rank order) ended, within the push's deadline, or was reported stalled by a
         receiver (:class:`Waited`: their ranks -> the receiver rank that reported it), or is a
-        trainer's whose process cannot act (``responds(rank)`` False: stopped) once every
-        receiver ended: its bytes all arrived (``Waited.unfinished``). Calls not waited for are
-        left running. With a ``vote``: commit once every receiver is ready, abort as soon as a
-        member failed or stalled or a receiver ended without committing."""
+        trainer's whose process is stopped (``stopped(rank)``) once every receiver committed:
+        its bytes all arrived (``Waited.unfinished``). Calls not waited for are left running.
+        With a ``vote``: commit once every receiver is ready, abort as soon as a member failed
+        or stalled or a receiver ended without committing."""
         pending = list(members)
         waited = Waited({}, [])
         deadline = time.monotonic() + push_deadline_s(self.timeout_s, self.buckets)
         progress = _Progress(self, channel, trainer_roles)
+        committed: list[bool] = []  # once only trainers' calls are pending: did every receiver commit
         try:
             while pending:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"weight sync v{self.version} did not finish in time")
-                for rank, reporter in stalled(channel, len(trainers)).items():
-                    if rank not in waited.stalls:
-                        waited.stalls[rank] = reporter
-                        pending = [ref for ref in pending if ref is not trainers[rank]]
+                pending = _take_stalls(channel, trainers, waited, pending)
                 if vote is not None and vote.decision is None:
                     vote.collect()
                     done, pending = calls.wait_all(pending, timeout_s=0.0)
@@ -72,35 +70,59 @@ class PushWait:
                     vote.decide(failure, lost_trainer=lost)
                 else:
                     _done, pending = calls.wait_all(pending, timeout_s=0.1)
-                    pending = _left_behind(pending, trainers, responds, waited.unfinished)
+                    pending = _take_stalls(channel, trainers, waited, pending)  # (reported while it waited)
+                    pending = self._left_behind(
+                        members, pending, trainers, stopped=stopped, waited=waited, committed=committed
+                    )
                 progress.advance()
         finally:
             runtime_agent().rendezvous_forget(channel)
             progress.close()
         return waited
 
+    def _left_behind(
+        self,
+        members: dict[Any, str],
+        pending: list[Any],
+        trainers: Sequence[Any],
+        *,
+        stopped: Callable[[int], bool],
+        waited: Waited,
+        committed: list[bool],
+    ) -> list[Any]:
+        """``pending`` without the calls of trainers whose process is stopped, once only
+        trainers' calls are pending and every receiver committed (nothing is left to read from
+        them, and no receiver lost them); those go to ``waited.unfinished``."""
+        ranks = {id(ref): rank for rank, ref in enumerate(trainers)}
+        if not pending or any(id(ref) not in ranks for ref in pending):
+            return pending
+        if not committed:
+            receivers = [ref for ref in members if id(ref) not in ranks]
+            outcomes = [calls.settle(ref, timeout_s=self.timeout_s) for ref in receivers]
+            committed.append(bool(receivers) and all(o.ok and o.value.committed for o in outcomes))
+        if not committed[0]:
+            return pending
+        gone = [ref for ref in pending if stopped(ranks[id(ref)])]
+        waited.unfinished.extend(gone)
+        return [ref for ref in pending if all(ref is not g for g in gone)]
+
 
 class Waited(NamedTuple):
     """What :meth:`PushWait.wait` did not wait for: trainers reported stalled (rank -> the
     reporting receiver's rank), and the calls of trainers that stopped after every receiver
-    had their bytes."""
+    committed."""
 
     stalls: dict[int, str]
     unfinished: list[Any]
 
 
-def _left_behind(
-    pending: list[Any], trainers: Sequence[Any], responds: Callable[[int], bool], unfinished: list[Any]
-) -> list[Any]:
-    """``pending`` without the calls of trainers that cannot act (stopped), once only trainers'
-    calls are pending (every receiver ended: nothing is left to read from them); those go to
-    ``unfinished``."""
-    ranks = {id(ref): rank for rank, ref in enumerate(trainers)}
-    if not pending or any(id(ref) not in ranks for ref in pending):
-        return pending
-    stopped = [ref for ref in pending if not responds(ranks[id(ref)])]
-    unfinished.extend(stopped)
-    return [ref for ref in pending if all(ref is not gone for gone in stopped)]
+def _take_stalls(channel: str, trainers: Sequence[Any], waited: Waited, pending: list[Any]) -> list[Any]:
+    """Note the trainers receivers reported stalled; ``pending`` without their calls."""
+    for rank, reporter in stalled(channel, len(trainers)).items():
+        if rank not in waited.stalls:
+            waited.stalls[rank] = reporter
+            pending = [ref for ref in pending if ref is not trainers[rank]]
+    return pending
 
 
 class _Progress:

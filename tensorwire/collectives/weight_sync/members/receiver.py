@@ -84,6 +84,8 @@ def _receive_and_commit(actor: object, spec: PushSpec, intake: _Intake, *, rehea
     rehearsal)."""
     try:
         targets = member_tensors(actor, spec, "target")
+        if spec.shadow and spec.publish == "swap":
+            _check_swappable(actor, spec, targets)
         if rehearsal and not spec.shadow:
             raise ValueError("a rehearsal reads aside only: this receiver writes in place")
         if spec.in_place:
@@ -114,6 +116,27 @@ def _commit(actor: object, spec: PushSpec, targets: list[torch.Tensor], dsts: li
     if refused is None:
         commit.commit(actor, spec, targets)
     return refused
+
+
+def _check_swappable(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
+    """``publish="swap"`` re-points the tensor objects the receiver gives: they must be its own
+    (the same objects every time it is asked, not fresh views or copies, which the swap would
+    leave behind while the receiver went on reading the old memory) and contiguous (as shadows
+    are).
+
+    Raises:
+        ValueError: Naming the first tensor that is not.
+    """
+    again = member_tensors(actor, spec, "target")
+    for held, first, second in zip(spec.layout, targets, again, strict=True):
+        if first is not second:
+            raise ValueError(
+                f"publish='swap': the receiver gives a new tensor object for {held.name!r} each time it is asked "
+                "(a view or a copy: state_dict() of a dict it builds, a DTensor's to_local()); swapping memory "
+                "into it would not reach the receiver's own tensor: give its own tensors, or use publish='copy'"
+            )
+        if not first.is_contiguous():
+            raise ValueError(f"publish='swap': {held.name!r} is not contiguous; use publish='copy'")
 
 
 class _NotWriting(TensorwireError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import ray
+import torch
 
 import tensorwire as tw
 from tests.collectives.actors import Holder, digests, note_commit
@@ -152,3 +153,37 @@ def test_publish_swap_needs_shadows(ray_local):
     for bad in ({"publish": "move"}, {"publish": "swap", "commit": "each"}):
         with pytest.raises(ValueError, match="publish="):
             tw.WeightSync(trainer, [receiver], source="weights", **bad)
+
+
+@tw.remote(num_cpus=0)
+class Linear:
+    """An actor with an ``nn.Module``, and a method giving fresh detached copies of its tensors."""
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.model = torch.nn.Linear(64, 32)
+
+    def detached(self) -> dict:
+        return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+
+    def look(self) -> tuple[list[int], list[bool], float]:
+        params = list(self.model.parameters())
+        return [p.data_ptr() for p in params], [p.requires_grad for p in params], float(sum(p.sum() for p in params))
+
+
+def test_publish_swap_reaches_a_modules_own_parameters_and_refuses_copies(ray_local):
+    """A module's parameters take their shadows' memory and stay the module's ``Parameter`` s
+    (still requiring grad); a receiver that gives fresh copies of its tensors each time is refused
+    when the sync is made (its rehearsal): the swap would not reach its own tensors."""
+    trainer, receiver, copies = Linear.remote(1), Linear.remote(2), Linear.remote(3)
+    sync = tw.WeightSync(trainer, [receiver], source="model", publish="swap")
+    try:
+        ptrs, grads, _total = ray.get(receiver.look.remote())
+        assert sync.push().ok
+        after, grads_after, total = ray.get(receiver.look.remote())
+        assert after != ptrs and grads_after == grads == [True, True]
+        assert total == pytest.approx(ray.get(trainer.look.remote())[2])
+    finally:
+        sync.close()
+    with pytest.raises(tw.TensorwireError, match="new tensor object for 'weight'"):
+        tw.WeightSync(trainer, [copies], source="model", target="detached", publish="swap")
