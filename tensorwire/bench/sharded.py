@@ -448,3 +448,4 @@ def run(options: Any, progress: Any, notes: list[str]) -> list[Any]:
     finally:
         if started:
             calls.shutdown()
+    return rows
