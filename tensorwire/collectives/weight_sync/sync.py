@@ -408,8 +408,7 @@ class WeightSync:
         """Whether the trainer at ``position`` is alive but cannot act (stopped); one known to
         have exited is not stopped (its call fails, and the push fails over)."""
         peer = peer_from_bytes(self.trainer_descriptions[position][0])
-        agent = runtime_agent()
-        return agent.peer_may_be_alive(peer) and not agent.peer_responds(peer, timeout_s=PATIENCE_FLOOR_S)
+        return runtime_agent().peer_may_be_alive(peer) and not self.trainer_responds(position)
 
     def drop_trainer(self, position: int, plan: Plan) -> None:
         """Leave the trainer at ``position`` out from now on, with ``plan`` over the others (a

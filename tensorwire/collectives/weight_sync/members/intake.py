@@ -106,16 +106,26 @@ def next_bucket(
         except PeerLostError as e:
             raise TrainerLost(parent, str(e)) from e
         except TransferTimeoutError as e:
-            waited = time.monotonic() - start
-            responds = bool(watch.explicit_s) or channel.responds(parent)
-            if not watch.stalled(waited, responds):
-                continue  # its process runs: slow, not stalled
-            report_stall(spec, parent)
-            within = f"{watch.explicit_s:g} s" if watch.explicit_s else f"{waited:.1f} s"
-            how = "" if responds else " (its process is stopped or does not answer)"
-            raise TrainerLost(parent, f"trainer member {parent} stalled: no {key} within {within}{how}") from e
+            _raise_if_stalled(channel, spec, parent, watch=watch, start=start, what=f"no {key} within", error=e)
+            continue  # its process runs: slow, not stalled
         watch.arrived()
         return message
+
+
+def _raise_if_stalled(
+    channel: Channel, spec: PushSpec, parent: int, *, watch: StallWatch, start: float, what: str, error: Exception
+) -> None:
+    """After a wait on trainer ``parent`` ran out of patience: ``TrainerLost`` (the driver told)
+    when it stalled (:meth:`StallWatch.stalled`: an explicit ``stall_s``, a process that cannot
+    act, or one that sent nothing for too long); else return, to wait again."""
+    waited = time.monotonic() - start
+    responds = bool(watch.explicit_s) or channel.responds(parent)
+    if not watch.stalled(waited, responds):
+        return
+    report_stall(spec, parent)
+    within = f"{watch.explicit_s:g} s" if watch.explicit_s else f"{waited:.1f} s"
+    how = "" if responds else " (its process is stopped or does not answer)"
+    raise TrainerLost(parent, f"trainer member {parent} stalled: {what} {within}{how}") from error
 
 
 def take_from(
@@ -145,11 +155,9 @@ def take_from(
                 raise TrainerLost(parent, f"member {parent} exited while its bucket was read: {e}") from e
             if watch is None or not isinstance(e, TransferTimeoutError):
                 raise
-            waited = time.monotonic() - start
-            responds = bool(watch.explicit_s) or channel.responds(parent)
-            if watch.stalled(waited, responds):
-                report_stall(spec, parent)
-                raise TrainerLost(parent, f"trainer member {parent} stalled while its bucket was read: {e}") from e
+            _raise_if_stalled(
+                channel, spec, parent, watch=watch, start=start, what=f"its bucket not read ({e}) within", error=e
+            )
 
 
 def acknowledge(channel: Channel, spec: PushSpec, parent: int, key: str) -> Callable[[], None]:
