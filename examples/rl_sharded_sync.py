@@ -158,12 +158,19 @@ def fused() -> dict[str, Fuse]:
     return result
 
 
+def mark_served(rank: InferenceRank, version: int) -> None:
+    """The sync's ``on_commit`` hook, run in each receiver once a version is its own (a plain
+    function of this script: the sync ships it by value)."""
+    rank.served = version
+
+
 @tw.remote
 class InferenceRank:
     """Tensor-parallel rank ``tp`` of replica ``replica``: its own parameters, other names."""
 
     def __init__(self, replica: int, tp: int) -> None:
         self.replica, self.tp = replica, tp
+        self.served = 0  # the weight version it serves (set by mark_served)
         heads = HEADS // TP
         self.weights: dict[str, torch.Tensor] = {
             "tok_embeddings.weight": torch.zeros(VOCAB, DIM),
@@ -193,6 +200,9 @@ class InferenceRank:
             else:
                 result[name] = Sharded.of(tensor, [Replicate(), Replicate()], mesh, coord)
         return result
+
+    def served_version(self) -> int:
+        return self.served
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the replica (both of its ranks call this at once: two all-reduces per layer)."""
@@ -227,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     for r, ranks in enumerate(replicas):
         tw.collective.create_group(ranks, backend="gloo", name=f"replica{r}")
     receivers = [rank for ranks in replicas for rank in ranks]
-    sync = tw.WeightSync(trainers, receivers, rename=rename, fuse=fused(), bucket_bytes=64 << 10, progress=False)
+    sync = tw.WeightSync(
+        trainers, receivers, rename=rename, fuse=fused(), bucket_bytes=64 << 10, progress=False, on_commit=mark_served
+    )
     print(sync.plan)
     probe, _ = batch(seed=12345, size=4)
     worst = 0.0
@@ -236,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         report = sync.push()
         if not report.ok:
             print(f"step {step}: push failed: {report.failed}", file=sys.stderr)
+            return 1
+        served = ray.get([rank.served_version.remote() for rank in receivers])
+        if served != [report.version] * len(receivers):
+            print(f"step {step}: on_commit saw versions {served}, not v{report.version}", file=sys.stderr)
             return 1
         expected = ray.get([t.reference.remote(probe) for t in trainers])[0]
         for r, ranks in enumerate(replicas):
@@ -252,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"the trainers (max |diff| {worst:.1e})"
             )
     print(f"done: {args.steps} pushes, every replica matched the trainers' model after each (max |diff| {worst:.1e})")
+    print(f"on_commit (a function of this script) marked every receiver: serving v{served[0]}")
     sync.close()
     return 0
 
