@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import pickle
 from typing import Any
 
 import numpy as np
@@ -109,6 +110,17 @@ def get_into_kept_out(name: str, ref: tw.Ref | None = None, **kwargs: Any) -> tu
         assert value is out if isinstance(out, torch.Tensor) else all(map(operator.is_, value, out))
     record = tw.stats()["recent"][-1]
     return digest(value), record.transport, record.repeated
+
+
+def get_anew_into_kept_out(name: str, blob: bytes, **kwargs: Any) -> tuple[str, str, bool]:
+    """:func:`get_into_kept_out` through a new reference each call, unpickled from ``blob`` (a
+    consumer that gets its reference in a message): the same object into the same buffers."""
+    ref, out = _kept[name]
+    anew = pickle.loads(blob)
+    assert anew is not ref
+    _kept[name] = (anew, out)
+    del ref
+    return get_into_kept_out(name, **kwargs)
 
 
 def refuse_shm_fetches(refuse: bool = True) -> None:

@@ -162,6 +162,13 @@ def test_a_dead_producer_raises_in_the_reader_not_a_hang(ray_local, consumers):
         ray.get(ref, timeout=120)
     with pytest.raises(tw.OwnerDiedError, match="has exited"):  # Ray's task error, also tensorwire's
         ray.get(consumers[2].checksum.remote(ref), timeout=120)
+    # as Ray's own transports raise it: code that catches Ray's ActorDiedError catches ours
+    with pytest.raises(ray.exceptions.ActorDiedError, match="has exited") as in_driver:
+        ray.get(ref, timeout=120)
+    with pytest.raises(ray.exceptions.ActorDiedError, match="has exited") as in_task:
+        ray.get(consumers[2].checksum.remote(ref), timeout=120)
+    assert isinstance(in_task.value, ray.exceptions.RayTaskError)  # the consumer's call failed
+    assert not isinstance(in_driver.value, ray.exceptions.RayTaskError)
     assert ray.get(consumers[2].checksum.remote(torch.ones(3)), timeout=60) == 3.0  # the reader lives on
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensorwire.errors import OwnerDiedError, TransferTimeoutError
+from tensorwire.errors import TransferTimeoutError
 from tensorwire.transport.config import validate_timeout
 
 __all__ = ["get_direct", "object_store_value", "wait_calls"]
@@ -99,7 +99,11 @@ def _ray_get(object_ref: Any, timeout_s: float | None, *, direct: bool) -> Any:
     except ray.exceptions.ObjectFetchTimedOutError as e:
         raise TransferTimeoutError(f"Ray gave up reading the value: {e}") from e
     except ray.exceptions.RayActorError as e:
-        raise OwnerDiedError(f"the actor that was producing this value died before returning it: {e}") from e
+        from tensorwire.runtime.ray.errors import ProducerDiedError
+
+        raise ProducerDiedError(
+            f"the actor that was producing this value died before returning it: {e}", e.actor_id
+        ) from e
 
 
 def wait_calls(object_refs: list[Any], *, num_returns: int, timeout_s: float | None) -> list[Any]:

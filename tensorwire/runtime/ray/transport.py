@@ -42,7 +42,8 @@ import ray
 from ray.experimental import TensorTransportManager
 from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata, FetchRequest
 
-from tensorwire.errors import TransferAbortedError
+from tensorwire.errors import OwnerDiedError, TransferAbortedError
+from tensorwire.runtime.ray.errors import ProducerDiedError
 from tensorwire.runtime.ray.transport_metadata import ShapesAndDtypes, TensorwireMetadata
 from tensorwire.runtime.ray.transport_options import current_read_options, read_pool, take_hint
 
@@ -265,7 +266,8 @@ class TensorwireTransport(TensorTransportManager):
         Raises:
             TransferAbortedError: Ray aborted this read (before it started or while it ran).
             ValueError: ``target_buffers`` that do not match the object.
-            tensorwire's errors of the read (``OwnerDiedError``, ``ObjectFreedError``...).
+            tensorwire's errors of the read (``ObjectFreedError``...; a dead producer's
+                ``OwnerDiedError`` as :class:`.errors.ProducerDiedError`, Ray's ``ActorDiedError`` too).
         """
         return self._read(obj_id, tensor_transport_metadata, communicator_metadata, target_buffers, None)
 
@@ -284,14 +286,17 @@ class TensorwireTransport(TensorTransportManager):
         desc = state.desc
         if target_buffers:
             _check_buffers(target_buffers, desc.metas)
-        tensors, _record = runtime_agent().fetch(
-            desc,
-            state.handles,
-            dst=list(target_buffers) if target_buffers else None,
-            targets=placement.targets(desc.metas, device),
-            transport=getattr(communicator_metadata, "transport", "") or state.transport,
-            pooled=True,  # host tensors on reused buffers: no page faults once one is idle again
-        )
+        try:
+            tensors, _record = runtime_agent().fetch(
+                desc,
+                state.handles,
+                dst=list(target_buffers) if target_buffers else None,
+                targets=placement.targets(desc.metas, device),
+                transport=getattr(communicator_metadata, "transport", "") or state.transport,
+                pooled=True,  # host tensors on reused buffers: no page faults once one is idle again
+            )
+        except OwnerDiedError as e:  # as Ray's own transports say it: the producing actor died
+            raise ProducerDiedError(str(e)) from e
         self._take_abort(obj_id)  # aborted while it ran: its result is dropped
         return tensors
 

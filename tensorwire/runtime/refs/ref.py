@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tensorwire.errors import UnresolvedRefError
 from tensorwire.runtime.agent import agent as runtime_agent
-from tensorwire.runtime.refs import reading
+from tensorwire.runtime.refs import reading, repeats
 from tensorwire.runtime.refs.ref_state import RefState, carries_value
 from tensorwire.transport.contract import ObjectDescriptor, TensorMeta
 
@@ -40,13 +40,12 @@ class Ref:
     """A reference to a value held by its owner process. Create with :func:`tensorwire.put`;
     fetch with :func:`tensorwire.get` or ``await ref``."""
 
-    __slots__ = ("__weakref__", "_moved_by", "_remembered", "_skeleton", "_state")
+    __slots__ = ("__weakref__", "_moved_by", "_skeleton", "_state")
 
     def __init__(self, state: RefState, skeleton: Any = _UNLOADED):
         self._state = state
         self._skeleton = skeleton
         self._moved_by = ""
-        self._remembered: Remembered | int | None = None
         agent = runtime_agent()
         if state.travels_inline and state.desc.owner.agent_id != agent.peer.agent_id:
             return  # the bytes are in the state: nothing to hold at the owner
@@ -114,13 +113,14 @@ class Ref:
 
     @property
     def remembered(self) -> Remembered | int | None:
-        """The last fetch of this reference into the caller's buffers, ready to run again, or
-        the mark of the buffers it used (:mod:`.repeats`; the runtime's, users need not)."""
-        return self._remembered
+        """The last fetch of this reference's object into the caller's buffers, ready to run
+        again, or the mark of the buffers it used (:mod:`.repeats`: kept per object, not per
+        reference, so a reference received anew repeats too; the runtime's, users need not)."""
+        return repeats.known(self._desc)
 
     def remember(self, known: Remembered | int | None) -> None:
         """Keep ``known`` as :attr:`remembered` (the runtime's, after a fetch into buffers)."""
-        self._remembered = known
+        repeats.keep(self._desc, known)
 
     def mark_moved(self, transport: str) -> None:
         """Record that ``transport`` moved this reference's value here (read as :attr:`transport`)."""

@@ -1,24 +1,29 @@
 """``tw.get(ref, out=buffers)`` again with the same buffers: the fetch made again, nothing
 worked out again.
 
-A consumer that reuses its receive buffers fetches one reference into them again and again.
-After a second fetch into the same buffers of the caller's (one torch tensor for every tensor
-of the value, each filled in place) the reference remembers it (:meth:`~.ref.Ref.remember`):
-the agent's :class:`~tensorwire.transport.agent.repeat.Repeat` and which buffers they were
-(after the first, only the first buffer's ``id``: :func:`worth_keeping`). The next
-``tw.get`` of that reference with the same options and ``out`` holding the very same tensor
+A consumer that reuses its receive buffers fetches one object into them again and again,
+often through a new reference each time (unpickled from a message, a new Ray ``ObjectRef``).
+After a second fetch of an object into the same buffers of the caller's (one torch tensor for
+every tensor of the value, each filled in place) this process remembers it for that object
+(:func:`keep`, keyed on the object's owner, id and capability token, whichever reference
+brought it): the agent's :class:`~tensorwire.transport.agent.repeat.Repeat` and which buffers
+they were (after the first, only the first buffer's ``id``: :func:`worth_keeping`). The next
+``tw.get`` of that object with the same options and ``out`` holding the very same tensor
 objects, at the same addresses and shapes, runs the repeat: no matching of ``out`` against
 the value, no selection, no destinations. Anything else (other buffers, other options, a
 transport that failed, the registry changed) goes the ordinary way, which checks everything
 and says what is wrong. Only ``out`` given as a tensor, or a flat list, tuple or dict of
-tensors is recognised; nested ones always go the ordinary way.
+tensors is recognised; nested ones always go the ordinary way. The last
+:data:`KEPT_OBJECTS` objects are kept.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -27,7 +32,15 @@ from tensorwire.transport.agent.repeat import Repeat
 from tensorwire.transport.agent.services import AgentServices
 from tensorwire.transport.config import Config
 
-__all__ = ["Remembered", "again", "remembered", "worth_keeping"]
+if TYPE_CHECKING:
+    from tensorwire.transport.contract import ObjectDescriptor
+
+__all__ = ["Remembered", "again", "keep", "known", "remembered", "worth_keeping"]
+
+KEPT_OBJECTS = 256  # objects whose last fetch into buffers this process keeps (least recently used go)
+
+_kept: OrderedDict[tuple[str, bytes, bytes], Remembered | int] = OrderedDict()
+_kept_lock = threading.Lock()
 
 
 class Remembered(NamedTuple):
@@ -43,6 +56,33 @@ class Remembered(NamedTuple):
     order: tuple[int, ...] | None  # for each tensor of the value, its buffer's position in ``buffers`` (None: the same)
     make: Callable[[list[torch.Tensor]], Any]  # the value from its tensors (:func:`values.rebuilder`)
     repeat: Repeat
+
+
+def known(desc: ObjectDescriptor) -> Remembered | int | None:
+    """What this process keeps of its last fetch of ``desc``'s object into buffers: the fetch to
+    repeat, the mark of its first buffer, or None. Kept per object (its owner, id and capability
+    token), not per reference: a reference unpickled anew from a message, or a new Ray
+    ``ObjectRef`` to the same object, repeats the fetch as the reference it replaced did."""
+    key = (desc.owner.agent_id, desc.object_id, desc.token)
+    with _kept_lock:
+        found = _kept.get(key)
+        if found is not None:
+            _kept.move_to_end(key)
+        return found
+
+
+def keep(desc: ObjectDescriptor, what: Remembered | int | None) -> None:
+    """Keep ``what`` as :func:`known` answers it for ``desc``'s object (None: forget it); the
+    least recently used of more than :data:`KEPT_OBJECTS` objects are forgotten."""
+    key = (desc.owner.agent_id, desc.object_id, desc.token)
+    with _kept_lock:
+        if what is None:
+            _kept.pop(key, None)
+            return
+        _kept[key] = what
+        _kept.move_to_end(key)
+        while len(_kept) > KEPT_OBJECTS:
+            _kept.popitem(last=False)
 
 
 def _leaves(out: Any, kind: type, keys: tuple[Any, ...] | None) -> tuple[Any, ...] | None:

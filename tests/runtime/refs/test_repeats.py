@@ -81,6 +81,25 @@ def test_new_buffers_every_time_are_never_kept_to_repeat(over_null):
     assert isinstance(ref.remembered, Remembered)
 
 
+def test_a_new_reference_to_the_same_object_repeats_and_another_object_does_not(over_null):
+    """Repeats are kept per object: a reference unpickled anew (from a message) into the same
+    buffers is a repeat; another object into those buffers is not."""
+    value = torch.arange(10.0)
+    ref = tw.put([value])
+    blob = pickle.dumps(ref)
+    out = [torch.zeros(10)]
+    tw.get(pickle.loads(blob), out=out)
+    tw.get(pickle.loads(blob), out=out)  # a second reference, the same buffers: kept
+    for step in (1, 2, 3):
+        value.fill_(step)
+        anew = pickle.loads(blob)
+        assert tw.get(anew, out=out)[0] is out[0] and torch.equal(out[0], value)
+        assert _last() == ("null", True) and anew.transport == "null"
+    other = tw.put([torch.full((10,), 7.0)])
+    tw.get(other, out=out)
+    assert torch.equal(out[0], torch.full((10,), 7.0)) and _last() == ("null", False)
+
+
 def test_a_tensor_and_a_dict_of_tensors_are_repeated_and_a_dict_in_another_order_is_not(over_null):
     single = torch.arange(6.0)
     ref = tw.put(single)
@@ -361,6 +380,8 @@ def test_the_same_buffers_again_over_shm_read_the_bytes_as_they_are_now(agent, w
     for fill in (9, 11):
         value.fill_(fill)
         assert worker.call(f"{T}:get_into_kept_out", "again") == (digest([value]), "shm", True)
+    value.fill_(13)  # a reference received anew (unpickled in the worker) repeats as well
+    assert worker.call(f"{T}:get_anew_into_kept_out", "again", blob) == (digest([value]), "shm", True)
     tw.free(ref)  # the repeat's read sees the live word cleared; the ordinary way names the error
     assert worker.call(f"{T}:get_into_kept_out", "again") == ("ObjectFreedError", "", False)
     worker.call(f"{T}:refuse_shm_fetches", False)
@@ -385,6 +406,9 @@ def test_the_same_buffers_again_across_nodes_over_nixl(nbytes):
             ordinary = consumer.call(f"{T}:get_digest", ref, transport="nixl")  # into new buffers
             assert ordinary == (first if nbytes <= 4096 else now)  # a small object is packed as it was exported
             assert consumer.call(f"{T}:get_into_kept_out", "again", transport="nixl") == (ordinary, "nixl", True)
+        # a reference received anew, in a message of its own each time: still a repeat
+        got = consumer.call(f"{T}:get_anew_into_kept_out", "again", pickle.dumps(ref), transport="nixl")
+        assert got == (ordinary, "nixl", True)
         producer.call("tests.helpers.nixl_tasks:free_kept_refs")
         assert consumer.call(f"{T}:get_into_kept_out", "again", transport="nixl") == ("ObjectFreedError", "", False)
     finally:
