@@ -9,6 +9,9 @@ selector's pick: shm on one node, nixl across):
 * **same object**: tensorwire ``tw.get(ref, out=buffer, transport=...)`` of one object again
   and again (the reference in hand); bare: ``initialize_xfer`` + ``transfer`` + poll + release
   of pre-registered buffers (and, as NIXL's best case, one handle posted again).
+* **new reference**: the same object into the same buffer, through a reference unpickled anew
+  each round (what a consumer that gets its reference in a message does; the unpickling is in
+  the round); bare: as for the same object (bare NIXL deserializes nothing it has not in hand).
 * **new object each round**, end to end on the one monotonic clock of both processes: the
   producer allocates and fills a new tensor and puts it (tensorwire exports when the
   reference is pickled: registration included), the reference crosses to the consumer through
@@ -30,6 +33,7 @@ Run: ``python -m benchmarks.nixl_compare`` (about 30 s here; ``--quick`` for a c
 from __future__ import annotations
 
 import argparse
+import pickle
 import statistics
 import sys
 import time
@@ -114,6 +118,23 @@ def get_rounds(ref: tw.Ref, tensors: int, transport: str, repeats: int, fill: in
     return times, wrong
 
 
+def get_anew_rounds(blob: bytes, tensors: int, transport: str, repeats: int, fill: int) -> tuple[list[float], int]:
+    """Consumer: :func:`get_rounds` through a new reference each round, unpickled from ``blob``
+    inside the round."""
+    ref = pickle.loads(blob)
+    out, named = _out(ref, tensors), _named(transport)
+    tw.get(ref, out=out, transport=named)  # connection, pages of the buffer
+    del ref
+    times, wrong = [], 0
+    for _ in range(repeats):
+        _clear(out)
+        start = time.perf_counter()
+        tw.get(pickle.loads(blob), out=out, transport=named)
+        times.append(time.perf_counter() - start)
+        wrong += not _right(out, fill)
+    return times, wrong
+
+
 def get_new(ref: tw.Ref, tensors: int, transport: str, fill: int) -> tuple[float, bool]:
     """Consumer: fetch a new object into the buffer; the end time, and whether the bytes were
     wrong. The buffer is cleared after the check, outside the round (its start is the
@@ -187,6 +208,14 @@ class Compare:
         times, wrong = self.consumer.call(f"{_M}:get_rounds", ref, tensors, transport, repeats, fill, timeout_s=300)
         return times, wrong
 
+    def anew(self, transport: str, nbytes: int, tensors: int, repeats: int) -> tuple[list[float], int]:
+        """New-reference rounds: (seconds per round, rounds with wrong bytes)."""
+        fill = self._next_fill()
+        ref = self.producer.call(f"{_M}:put", nbytes, tensors, fill, timeout_s=300)
+        args = (pickle.dumps(ref), tensors, transport, repeats, fill)
+        times, wrong = self.consumer.call(f"{_M}:get_anew_rounds", *args, timeout_s=300)
+        return times, wrong
+
     def new(self, transport: str, nbytes: int, tensors: int, repeats: int) -> tuple[list[float], int]:
         """New-object rounds: (seconds per round, rounds with wrong bytes)."""
         times, wrong = [], 0
@@ -232,9 +261,13 @@ def run(  # noqa: PLR0917 - the benchmark's knobs
         for _ in range(rounds):
             for label, nbytes, tensors, repeats in cases:
                 same = results.setdefault(f"same object, {label}", {})
+                anew = results.setdefault(f"new reference, {label}", {})
                 new = results.setdefault(f"new object, {label}", {})
-                cases_of[f"same object, {label}"] = cases_of[f"new object, {label}"] = (nbytes, tensors)
-                same.setdefault("bare NIXL", []).extend(c.bare.same_object(nbytes, repeats, tensors=tensors))
+                for mode in ("same object", "new reference", "new object"):
+                    cases_of[f"{mode}, {label}"] = (nbytes, tensors)
+                bare = c.bare.same_object(nbytes, repeats, tensors=tensors)
+                same.setdefault("bare NIXL", []).extend(bare)
+                anew.setdefault("bare NIXL", []).extend(bare)
                 same.setdefault("bare NIXL, handle reused", []).extend(
                     c.bare.same_object(nbytes, repeats, tensors=tensors, reuse=True)
                 )
@@ -242,6 +275,9 @@ def run(  # noqa: PLR0917 - the benchmark's knobs
                     times, bad = c.same(transport, nbytes, tensors, repeats)
                     same.setdefault(f"tensorwire {transport}", []).extend(times)
                     _count(wrong, f"same object, {label}", f"tensorwire {transport}", bad)
+                    times, bad = c.anew(transport, nbytes, tensors, repeats)
+                    anew.setdefault(f"tensorwire {transport}", []).extend(times)
+                    _count(wrong, f"new reference, {label}", f"tensorwire {transport}", bad)
                 new_repeats = max(2, repeats // 4)
                 new.setdefault("bare NIXL", []).extend(c.bare.new_object(nbytes, new_repeats, tensors=tensors)["times"])
                 for transport in (*exporting, AUTO):
@@ -337,6 +373,7 @@ def _why_not_run(agent: Any, exporting: tuple[str, ...]) -> str:
 
 _REASONS = {
     "same object": "the reference in hand; bare: a READ of registered buffers",
+    "new reference": "the same object, a reference unpickled anew each round; bare: a READ of registered buffers",
     "new object": "end to end: put + the trip + get; bare: register + metadata + the trip + READ",
 }
 
@@ -345,12 +382,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.nixl_compare")
     parser.add_argument("--quick", action="store_true", help="4 KiB and 1 MiB, a 4 MiB dict, one round (a check)")
     parser.add_argument("--other-node", action="store_true", help="claim two nodes, UCX over TCP only")
+    parser.add_argument("--transports", default="", help="comma-separated tensorwire transports to run (default: all)")
+    parser.add_argument("--sizes", default="", help="comma-separated byte sizes (default: 4 KiB to 256 MiB)")
     args = parser.parse_args(argv)
     if skipped():
         return 0
-    sizes = (4096, MIB) if args.quick else SIZES
-    repeats = {n: 3 for n in sizes} if args.quick else REPEATS
+    sizes = tuple(int(n) for n in args.sizes.split(",")) if args.sizes else (4096, MIB) if args.quick else SIZES
+    repeats = {n: 3 if args.quick else REPEATS.get(n, 6) for n in sizes}
     transports, exporting = compared(runtime_agent())
+    if args.transports:
+        wanted = args.transports.split(",")
+        transports = tuple(t for t in transports if t in wanted)
+        exporting = tuple(t for t in exporting if t in wanted)
     dict_nbytes = 4 * MIB if args.quick else 64 * MIB
     out = run(sizes, repeats, 1 if args.quick else 2, args.other_node, dict_nbytes, transports, exporting)
     facts = machine()

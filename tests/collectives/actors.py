@@ -216,6 +216,15 @@ class Holder:
         for tensor in self.weights.values():
             tensor.add_(torch.randn(tensor.shape, generator=gen))
 
+    def block_until(self, path: str, timeout_s: float = 120.0) -> bool:
+        """Keep this actor busy (its calls wait behind this one) until ``path`` exists; whether it did."""
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def reshape_first(self) -> None:
         """Break the layout the sync was made with."""
         self.weights["layer0.weight"] = torch.zeros(3)

@@ -34,7 +34,7 @@ from tensorwire.collectives.weight_sync.report.summary import SyncReport
 from tensorwire.collectives.weight_sync.report.telemetry import pairs_of, record
 from tensorwire.errors import TrainerLost
 from tensorwire.runtime.ray import calls
-from tensorwire.runtime.ray.hooks import call_hook
+from tensorwire.runtime.ray.hooks import call_hook, call_hook_concurrently
 
 __all__ = ["Prepared", "PushingSync", "abandon", "run_try"]
 
@@ -47,6 +47,7 @@ class PushingSync(SyncSettings, Protocol):
     aside: str
     state: PushState
     prepared: Prepared | None
+    overlapped: bool  # push_async: trainers serve beside their own calls (their hook group)
     receiver_actors: dict[int, Any]
     nbytes: int
 
@@ -159,7 +160,8 @@ def _start(
     m = len(sync.trainers)
     started, start = time.time(), time.perf_counter()
     blobs = prepared.blobs
-    trainer_refs = [call_hook(t, trainer.send, blobs[i], version, channel) for i, t in enumerate(sync.trainers)]
+    call = call_hook_concurrently if sync.overlapped else call_hook  # push_async: beside the training
+    trainer_refs = [call(t, trainer.send, blobs[i], version, channel) for i, t in enumerate(sync.trainers)]
     receiver_refs = {
         r: call_hook(sync.receiver_actors[r], receiver.receive, blobs[m + i], version, channel, rehearsal=rehearsal)
         for i, r in enumerate(live)

@@ -35,6 +35,7 @@ missing from them (:mod:`.recovery.failover`). One try of a push: :mod:`.push`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -45,19 +46,21 @@ from typing import Any
 import torch
 
 from tensorwire.collectives.groups.api import DEFAULT_TIMEOUT_S, check_actors, describe_actors
+from tensorwire.collectives.weight_sync import in_flight
 from tensorwire.collectives.weight_sync.commit import versions as receiver_versions
 from tensorwire.collectives.weight_sync.commit.state import PushState
+from tensorwire.collectives.weight_sync.in_flight import PushHandle
 from tensorwire.collectives.weight_sync.members.common import layout_hook, release_hook
 from tensorwire.collectives.weight_sync.planning.buckets import DEFAULT_BUCKET_BYTES
 from tensorwire.collectives.weight_sync.planning.layout import ParamPiece
-from tensorwire.collectives.weight_sync.planning.plan import Arrived, Fuse, NameMap, Plan
-from tensorwire.collectives.weight_sync.push import Prepared, abandon, run_try
-from tensorwire.collectives.weight_sync.recovery import failover, late_joiners
+from tensorwire.collectives.weight_sync.planning.plan import Fuse, NameMap, Plan
+from tensorwire.collectives.weight_sync.push import Prepared, run_try
+from tensorwire.collectives.weight_sync.recovery import late_joiners
 from tensorwire.collectives.weight_sync.recovery.failover import two_sources
 from tensorwire.collectives.weight_sync.recovery.stalls import PATIENCE_FLOOR_S
 from tensorwire.collectives.weight_sync.report.summary import SyncReport
-from tensorwire.collectives.weight_sync.report.telemetry import failover_pairs, record
-from tensorwire.errors import TensorwireError, TrainerLost
+from tensorwire.collectives.weight_sync.tries import push_version
+from tensorwire.errors import TensorwireError
 from tensorwire.runtime.agent import agent as runtime_agent
 from tensorwire.runtime.ray import calls
 from tensorwire.runtime.ray.actor import ActorHandle
@@ -196,6 +199,8 @@ class WeightSync:
         self._next_id = 0
         self._pushes = 0
         self._closed = False
+        self.in_flight: PushHandle | None = None  # the last push_async's handle
+        self.overlapped = False  # a push_async runs: trainers serve beside their own calls
 
     def _add_first_receivers(self, receivers: Sequence[ActorHandle], *, prepare: bool) -> None:
         for actor in receivers:
@@ -262,8 +267,7 @@ class WeightSync:
         when there is one): copied from a live receiver with the same layout that holds it,
         sparing the trainers, else pushed from the trainers (their tensors as they are now:
         that version while they did not change since). ``caught_up[id]`` says which."""
-        if self._closed:
-            raise RuntimeError("this WeightSync was closed")
+        self._check_idle("add_receiver")
         check_actors([*self.trainers, *self.receiver_actors.values(), actor], "WeightSync.add_receiver")
         (layout,) = calls.gather([call_hook(actor, layout_hook, self.target, "target")], timeout_s=self.timeout_s)
         layout = tuple(layout)
@@ -285,6 +289,7 @@ class WeightSync:
 
     def remove_receiver(self, receiver: ActorHandle | int, *, timeout_s: float = 30.0) -> None:
         """Drop a receiver (by handle or id) between pushes; frees what it kept (if alive)."""
+        self._check_idle("remove_receiver")
         rid = receiver if isinstance(receiver, int) else self._id_of(receiver)
         if rid not in self.receiver_actors:
             raise ValueError(f"receiver {receiver!r} is not in this WeightSync")
@@ -318,9 +323,8 @@ class WeightSync:
         Raises:
             TensorwireError: A member failed or died during the rehearsal (nothing changed).
         """
-        if self._closed:
-            raise RuntimeError("this WeightSync was closed")
-        live = self._live()
+        self._check_idle("prepare")
+        live = self.live_receivers()
         if not live or self.aside == "none" or not (self.atomic or self.commit == "all"):
             return False
         report = run_try(self, live, self.state.version, rehearsal=True)
@@ -343,51 +347,39 @@ class WeightSync:
             TrainerLost: A trainer died or stalled with no other trainer holding its bytes (its
                 position, why, and ``.report`` with what the receivers did).
             TensorwireError: A trainer failed (the message names it; ``.report``).
+            RuntimeError: A ``push_async`` is in flight, or the sync was closed.
         """
+        self._check_idle("push")
+        return push_version(self)
+
+    def push_async(self, *, snapshot: bool = True) -> PushHandle:
+        """Start pushing the next version and return once the trainers' bytes of it are fixed:
+        the trainers may train the next step while it moves (:mod:`.in_flight`). ``snapshot``:
+        each trainer copies the tensors it serves from first (one copy of its synced tensors,
+        on their device, until the push ends); False: no copy, the caller keeps the trainers'
+        tensors unchanged until the handle is done. ``handle.result()`` gives the report.
+
+        Raises:
+            RuntimeError: Another push is in flight (one per sync at a time), or the sync was closed.
+            TensorwireError: A trainer could not copy its tensors (nothing was pushed).
+        """
+        self._check_idle("push_async")
+        self.in_flight = in_flight.start(self, functools.partial(push_version, self), snapshot=snapshot)
+        return self.in_flight
+
+    def _check_idle(self, what: str) -> None:
+        """Refuse ``what`` on a closed sync, or while a push is in flight."""
         if self._closed:
             raise RuntimeError("this WeightSync was closed")
-        version = self.state.start()
-        replaced: dict[str, str] = {}
-        lost: dict[tuple[str, str], int] = {}  # (replaced trainer, receiver) -> failovers
-        have: dict[int, Arrived] | None = None
-        start = time.perf_counter()
-        refused = failover.leave_out_unresponsive(self, version, replaced, lost)  # a look, not a failed try
-        if refused is not None:
-            self.state.finish(committed=False)
-            raise refused
-        while True:
-            live = self._live()
-            try:
-                try:
-                    report = run_try(self, live, version, have)
-                    break
-                except TrainerLost as e:  # complete from the others if they can
-                    refused = failover.fail_over(self, e, replaced, lost)
-                    if refused is not None:
-                        raise refused from None
-            except BaseException:
-                abandon(self, live)
-                self.state.finish(committed=False)
-                raise
-            actors = {r: self.receiver_actors[r] for r in live}
-            have = failover.arrived(self.sync_id, version, actors, self._layouts, timeout_s=self.timeout_s)
-        report.replaced, report.seconds = replaced, time.perf_counter() - start  # every try
-        report.pairs.update(failover_pairs(lost))
-        record(self.name, failover_pairs(lost))
-        self.state.finish(committed=self._committed(report))
-        return report
+        if self.in_flight is not None and not self.in_flight.done():
+            raise RuntimeError(
+                f"{what}: push v{self.in_flight.version} of weight sync {self.name} is in flight (one at a time); "
+                "wait for it first: handle.result()"
+            )
 
-    def _live(self) -> tuple[int, ...]:
+    def live_receivers(self) -> tuple[int, ...]:
+        """The receivers not known dead, by id."""
         return tuple(r for r in self.receiver_actors if r not in self.state.dead)
-
-    def _committed(self, report: SyncReport) -> bool:
-        """Whether the receivers hold the version of ``report`` (all-or-none: none of them
-        failed; in place, once voted, one that failed or died after is torn or gone: the
-        others hold it)."""
-        if not report.receivers:
-            return False
-        failed = any(kind.ends_the_version for kind in report.failure_kinds.values())
-        return self.commit == "each" or self.state.promised or not failed
 
     def next_channel(self) -> str:
         """A new channel name for one try of a push."""
@@ -442,6 +434,9 @@ class WeightSync:
         per stream a process serves, the receivers' mappings of them and atomic shadows). Idempotent."""
         if self._closed:
             return
+        if self.in_flight is not None and not self.in_flight.done():
+            with contextlib.suppress(Exception):  # its error is the handle's to raise
+                self.in_flight.result(timeout_s=timeout_s)
         self._closed = True
         refs = [call_hook(a, release_hook, self.sync_id) for a in (*self.trainers, *self.receiver_actors.values())]
         # One deadline for all (bounded whatever the number of actors); late ones are named.

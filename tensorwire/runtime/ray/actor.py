@@ -48,7 +48,7 @@ from tensorwire.runtime.ray.handles import (
     make_handle,
 )
 from tensorwire.runtime.ray.heap import freeze_at_first_call
-from tensorwire.runtime.ray.hooks import HOOK_METHOD, run_hook
+from tensorwire.runtime.ray.hooks import HOOK_GROUP, HOOK_GROUP_THREADS, HOOK_METHOD, run_hook
 from tensorwire.runtime.ray.transport_options import note_readers_transport, read_options
 from tensorwire.runtime.ray.worker_transports import with_registrations
 from tensorwire.runtime.refs import values
@@ -233,6 +233,14 @@ def _ray_remote(target: Any, options: dict[str, Any]) -> Any:
     return ray.remote(**options)(target) if options else ray.remote(target)
 
 
+def _with_hook_group(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the actor's concurrency group for hooks that run beside its methods
+    (:data:`.hooks.HOOK_GROUP`) added to the user's groups."""
+    groups = dict(options.get("concurrency_groups") or {})
+    groups.setdefault(HOOK_GROUP, HOOK_GROUP_THREADS)
+    return {**options, "concurrency_groups": groups}
+
+
 class ActorClass:
     """``@tw.remote`` on a class. ``.remote(*args)`` creates the actor; ``.options(**ray)``."""
 
@@ -264,12 +272,14 @@ class ActorClass:
             namespace["__module__"] = cls.__module__
             namespace["__qualname__"] = cls.__qualname__
             wrapped = type(cls.__name__, (cls,), namespace)
-            self._ray_class = _ray_remote(wrapped, {"enable_tensor_transport": True, **self._options})
+            self._ray_class = _ray_remote(wrapped, _with_hook_group({"enable_tensor_transport": True, **self._options}))
         return self._ray_class
 
     def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
         ray_class = self._ray_actor_class()
         options = with_registrations(self._options)  # run-time transport registrations
+        if options is not self._options and "concurrency_groups" in options:
+            options = _with_hook_group(options)
         ray_class = ray_class if options is self._options else ray_class.options(**options)
         return make_handle(ray_class.remote(*args, **kwargs), self._methods)
 

@@ -8,6 +8,12 @@ gets its :class:`HookKey` and runs what its registry holds under that key, loadi
 module first when this process has not imported it yet (only modules of the ``tensorwire``
 package). Anything else is refused, so the hidden method cannot run arbitrary functions.
 
+A hook runs in the actor's own order, after the calls queued before it
+(:func:`call_hook`), or beside them in the actor's ``tensorwire`` concurrency group
+(:data:`HOOK_GROUP`, which every ``@tw.remote`` class has: :func:`call_hook_concurrently`),
+for work that must go on while the actor runs the user's methods (a trainer serving a push
+while it trains the next step).
+
 The runtime does not import the collectives: they fill the registry when imported.
 """
 
@@ -18,9 +24,21 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
-__all__ = ["HOOK_METHOD", "HookKey", "actor_hook", "call_hook", "hook_key", "run_hook"]
+__all__ = [
+    "HOOK_GROUP",
+    "HOOK_GROUP_THREADS",
+    "HOOK_METHOD",
+    "HookKey",
+    "actor_hook",
+    "call_hook",
+    "call_hook_concurrently",
+    "hook_key",
+    "run_hook",
+]
 
 HOOK_METHOD = "_tw_hook"
+HOOK_GROUP = "tensorwire"  # the concurrency group of hooks that run beside the user's methods
+HOOK_GROUP_THREADS = 2
 _PACKAGE = "tensorwire."
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -84,3 +102,11 @@ def call_hook(actor: Any, hook: Callable[..., Any], *args: Any, **kwargs: Any) -
     returns Ray's ``ObjectRef`` of its result (wait with :mod:`tensorwire.runtime.ray.calls`)."""
     key = hook_key(hook)
     return getattr(actor.ray_handle, HOOK_METHOD).remote(tuple(key), *args, **kwargs)
+
+
+def call_hook_concurrently(actor: Any, hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """:func:`call_hook` in the actor's :data:`HOOK_GROUP`: it runs while the actor runs other
+    calls (its own methods, one at a time by default), not after them."""
+    key = hook_key(hook)
+    method = getattr(actor.ray_handle, HOOK_METHOD).options(concurrency_group=HOOK_GROUP)
+    return method.remote(tuple(key), *args, **kwargs)

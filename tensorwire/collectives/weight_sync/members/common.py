@@ -27,9 +27,11 @@ __all__ = [
     "at_fault_point",
     "bucket_views",
     "channel_of",
+    "checked_tensors",
     "fanouts_of",
     "holder_value",
     "layout_hook",
+    "layout_key",
     "load_spec",
     "member_tensors",
     "memo",
@@ -117,7 +119,7 @@ def memo(obj: Any, make: Callable[[Any], Any]) -> Any:
     return kept[1]
 
 
-def _layout_key(layout: Sequence[ParamPiece]) -> list[tuple[Any, ...]]:
+def layout_key(layout: Sequence[ParamPiece]) -> list[tuple[Any, ...]]:
     """A layout as plain tuples: compared in C (dataclass equality of thousands of entries is not)."""
     return [(h.name, h.global_shape, h.dtype, h.box.offsets, h.box.sizes, h.placements) for h in layout]
 
@@ -140,8 +142,17 @@ def view(tensor: torch.Tensor, where: tuple[slice, ...] | None) -> torch.Tensor:
 def member_tensors(actor: object, spec: PushSpec, role: str) -> list[torch.Tensor]:
     """The actor's tensors in the order of ``spec.layout``; ``ValueError`` if they changed."""
     own = role == "target" and spec.shadow and spec.publish == "swap"
-    mine, tensors = describe_value(holder_value(actor, spec.where, role, own_tensors=own), role, own_tensors=own)
-    if _layout_key(mine) != memo(spec.layout, _layout_key):
+    return checked_tensors(actor, spec.where, memo(spec.layout, layout_key), role, own=own)
+
+
+def checked_tensors(
+    actor: object, where: str | None, key: list[tuple[Any, ...]], role: str, *, own: bool = False
+) -> list[torch.Tensor]:
+    """The actor's tensors at ``where`` in the order of the layout whose :func:`layout_key` is
+    ``key`` (``own``: the tensors themselves, not fresh copies or views); ``ValueError`` if they
+    changed since."""
+    mine, tensors = describe_value(holder_value(actor, where, role, own_tensors=own), role, own_tensors=own)
+    if layout_key(mine) != key:
         who = "trainer" if role == "source" else "receiver"
         raise ValueError(f"the {who}'s tensors changed shape, dtype or names since the WeightSync was made")
     return tensors

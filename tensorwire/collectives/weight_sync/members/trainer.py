@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from tensorwire.collectives.weight_sync.members import snapshot
 from tensorwire.collectives.weight_sync.members.common import (
     at_fault_point,
     bucket_views,
@@ -64,7 +65,9 @@ def _progress_reporter(spec: PushSpec) -> Callable[[int, int], None]:
 def _serve(actor: object, spec: PushSpec, fanouts: dict[int, Fanout]) -> float:
     """Offer every bucket of every stream, level by level; returns the seconds spent on checksums."""
     checksum_s = 0.0
-    tensors = member_tensors(actor, spec, "source")
+    tensors = snapshot.taken(spec)  # push_async: the copy taken when the push started
+    if tensors is None:
+        tensors = member_tensors(actor, spec, "source")
     at_fault_point("trainer", -1)
     for k in range(max((len(r.buckets) for r in spec.roles), default=0)):
         for role in spec.roles:

@@ -1,0 +1,78 @@
+"""A whole push, in the driver: a liveness look, then tries (:func:`.push.run_try`) until one
+completes, failing over between them (:mod:`.recovery.failover`) when a trainer was lost and
+the others hold its bytes; the version state moved along (:class:`.commit.state.PushState`).
+:meth:`..sync.WeightSync.push` runs it in the caller's thread, ``push_async`` on one of its
+own (:mod:`.in_flight`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from tensorwire.collectives.weight_sync.planning.layout import ParamPiece
+from tensorwire.collectives.weight_sync.planning.plan import Arrived
+from tensorwire.collectives.weight_sync.push import PushingSync, abandon, run_try
+from tensorwire.collectives.weight_sync.recovery import failover
+from tensorwire.collectives.weight_sync.report.summary import SyncReport
+from tensorwire.collectives.weight_sync.report.telemetry import failover_pairs, record
+from tensorwire.errors import TrainerLost
+
+__all__ = ["Pushing", "push_version"]
+
+
+class Pushing(PushingSync, failover.FailingOver, Protocol):
+    """What a whole push reads and changes of its :class:`..sync.WeightSync`."""
+
+    sync_id: str
+    commit: str
+
+    @property
+    def receiver_layouts(self) -> dict[int, tuple[ParamPiece, ...]]: ...
+
+    def live_receivers(self) -> tuple[int, ...]: ...
+
+
+def push_version(sync: Pushing) -> SyncReport:
+    """Push the trainers' tensors as the next version (see :meth:`..sync.WeightSync.push`)."""
+    version = sync.state.start()
+    replaced: dict[str, str] = {}
+    lost: dict[tuple[str, str], int] = {}  # (replaced trainer, receiver) -> failovers
+    have: dict[int, Arrived] | None = None
+    start = time.perf_counter()
+    refused = failover.leave_out_unresponsive(sync, version, replaced, lost)  # a look, not a failed try
+    if refused is not None:
+        sync.state.finish(committed=False)
+        raise refused
+    while True:
+        live = sync.live_receivers()
+        try:
+            try:
+                report = run_try(sync, live, version, have)
+                break
+            except TrainerLost as e:  # complete from the others if they can
+                refused = failover.fail_over(sync, e, replaced, lost)
+                if refused is not None:
+                    raise refused from None
+        except BaseException:
+            abandon(sync, live)
+            sync.state.finish(committed=False)
+            raise
+        actors: Mapping[int, Any] = {r: sync.receiver_actors[r] for r in live}
+        have = failover.arrived(sync.sync_id, version, actors, sync.receiver_layouts, timeout_s=sync.timeout_s)
+    report.replaced, report.seconds = replaced, time.perf_counter() - start  # every try
+    report.pairs.update(failover_pairs(lost))
+    record(sync.name, failover_pairs(lost))
+    sync.state.finish(committed=_committed(sync, report))
+    return report
+
+
+def _committed(sync: Pushing, report: SyncReport) -> bool:
+    """Whether the receivers hold the version of ``report`` (all-or-none: none of them
+    failed; in place, once voted, one that failed or died after is torn or gone: the
+    others hold it)."""
+    if not report.receivers:
+        return False
+    failed = any(kind.ends_the_version for kind in report.failure_kinds.values())
+    return sync.commit == "each" or sync.state.promised or not failed
