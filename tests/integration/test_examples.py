@@ -70,3 +70,9 @@ def test_ray_transport():
     assert "rollout loaded the trainer's weights: True" in out
     assert "moved by: shm (same node" in out  # 4 MiB between two processes of one node
     assert "driver got 4 tensors; first (1024, 1024)" in out and "reference transport: TENSORWIRE" in out
+
+
+def test_overlap_training_pushes_each_version_while_the_next_step_trains():
+    out = run_example("overlap_training.py", "--iterations", "3")
+    assert "step with a push in flight:" in out and "the push overlapped with the next step:" in out
+    assert "done: 6 versions, each on every server as the learner had it after its step" in out
