@@ -210,6 +210,11 @@ class Holder:
 
         return digest(self.weights)
 
+    def digests_by_name(self) -> dict[str, str]:
+        from tests.helpers.tasks import digest
+
+        return {name: digest([t]) for name, t in self.weights.items()}
+
     def step(self, seed: int) -> None:
         """Change every weight in place, like an optimizer step."""
         gen = torch.Generator().manual_seed(seed)

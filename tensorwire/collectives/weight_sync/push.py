@@ -25,7 +25,9 @@ from tensorwire.collectives.weight_sync.commit.push_wait import PushWait
 from tensorwire.collectives.weight_sync.commit.state import PushState
 from tensorwire.collectives.weight_sync.commit.vote import Vote
 from tensorwire.collectives.weight_sync.members import receiver, trainer
+from tensorwire.collectives.weight_sync.planning import subsets
 from tensorwire.collectives.weight_sync.planning.plan import Arrived
+from tensorwire.collectives.weight_sync.planning.subsets import Subset
 from tensorwire.collectives.weight_sync.protocol.assign import SyncSettings, member_specs
 from tensorwire.collectives.weight_sync.protocol.messages import ReceiverFailure
 from tensorwire.collectives.weight_sync.protocol.spec import ReceiveResult, Role
@@ -87,11 +89,13 @@ def run_try(
     *,
     catch_up: bool = False,
     rehearsal: bool = False,
+    only: Subset | None = None,
 ) -> SyncReport:
     """Push the trainers' tensors into the ``live`` receivers as ``version`` (``have``: pieces
     they hold already, after a failover: not kept for the next push; ``catch_up``: to a
     newcomer alone, which serves nothing yet: in place even from a single source;
-    ``rehearsal``: every receiver reads aside and commits nothing, no vote).
+    ``rehearsal``: every receiver reads aside and commits nothing, no vote; ``only``: the
+    receiver parameters of a subset push, :mod:`.planning.subsets`).
 
     Raises:
         TrainerLost: A trainer died or stalled (its position; ``.report``).
@@ -99,7 +103,7 @@ def run_try(
     """
     if have is None:
         sync.state.first_try()  # (in place, it votes)
-    prepared = _prepared(sync, live, have, catch_up)
+    prepared = _prepared(sync, live, have, catch_up, only)
     m = len(sync.trainers)
     running = _start(sync, live, version, prepared, rehearsal=rehearsal)
     members = {ref: sync.trainer_name(i) for i, ref in enumerate(running.trainers)}
@@ -119,7 +123,7 @@ def run_try(
         if prepared.in_place and running.vote is not None and running.vote.committed:
             sync.state.promise()  # the receivers write it: from here on, only forward
     report = SyncReport(version, sync.nbytes, prepared.buckets, time.perf_counter() - running.start, 0.0, 0.0, 0.0, 0.0)
-    _collect_receivers(sync, report, running.receivers)
+    _collect_receivers(sync, report, running.receivers, only)
     names = {i: sync.trainer_name(i) for i in range(m)} | {m + i: f"receiver {r}" for i, r in enumerate(live)}
     failed = [f"receiver {r}" for r, kind in report.failure_kinds.items() if kind.fault_of_its_own]
     report.kept_nbytes = report.plan_nbytes - report.moved_nbytes if have is not None else 0
@@ -137,17 +141,22 @@ def run_try(
     return report
 
 
-def _prepared(sync: PushingSync, live: tuple[int, ...], have: Mapping[int, Arrived] | None, catch_up: bool) -> Prepared:
-    """Each member's spec for this try (kept between pushes over the same receivers; a
-    failover's try, with ``have``, is not kept)."""
-    key = (live, sync.progress, catch_up) if have is None else None
+def _prepared(
+    sync: PushingSync, live: tuple[int, ...], have: Mapping[int, Arrived] | None, catch_up: bool, only: Subset | None
+) -> Prepared:
+    """Each member's spec for this try (kept between pushes over the same receivers and subset;
+    a failover's try, with ``have``, is not kept)."""
+    subset_key = None if only is None else tuple(sorted(only.items()))
+    key = (live, sync.progress, catch_up, subset_key) if have is None else None
     if have is None and sync.prepared is not None and sync.prepared.key == key:
         return sync.prepared
     voted = sync.state.promised
     in_place = voted or (sync.aside == "none" and (catch_up or two_sources(sync, live)))
     if sync.aside == "none" and not in_place:
         logger.warning("weight sync %s: some bytes have one trainer left: assembled aside", sync.name)
-    blobs, roles, buckets = member_specs(sync, live, have, in_place=in_place, voted=voted)
+    if only is not None:  # what the subset leaves out, as pieces the receivers hold
+        have = subsets.merged(have, subsets.left_out(sync.plan, only))
+    blobs, roles, buckets = member_specs(sync, live, have, in_place=in_place, voted=voted, only=only)
     sync.prepared = Prepared(key, in_place, blobs, roles, buckets)
     return sync.prepared
 
@@ -175,8 +184,9 @@ def _start(
     return _Started(channel, trainer_refs, receiver_refs, vote, started, start)
 
 
-def _collect_receivers(sync: PushingSync, report: SyncReport, refs: dict[int, Any]) -> None:
-    """Each receiver's result into ``report``: committed, or in ``failed`` by kind."""
+def _collect_receivers(sync: PushingSync, report: SyncReport, refs: dict[int, Any], only: Subset | None) -> None:
+    """Each receiver's result into ``report``: committed, or in ``failed`` by kind (its plan's
+    bytes: those of the subset ``only`` when given)."""
     for rid in sync.state.dead:
         report.fail(rid, ReceiverFailure.LEFT_OUT, "left out: it died in an earlier push")
     for rid, ref in refs.items():
@@ -196,7 +206,7 @@ def _collect_receivers(sync: PushingSync, report: SyncReport, refs: dict[int, An
             continue
         report.receivers[rid] = result
         report.moved_nbytes += result.nbytes
-        report.plan_nbytes += sync.plan.receiver_nbytes_of(rid)
+        report.plan_nbytes += sync.plan.receiver_nbytes_of(rid, None if only is None else only.get(rid, frozenset()))
         report.transfer_s = max(report.transfer_s, result.transfer_s)
         report.unpack_s = max(report.unpack_s, result.unpack_s)
         report.verify_s = max(report.verify_s, result.verify_s)

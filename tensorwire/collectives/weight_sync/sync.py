@@ -40,7 +40,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from tensorwire.collectives.weight_sync.commit import versions as receiver_versi
 from tensorwire.collectives.weight_sync.commit.state import PushState
 from tensorwire.collectives.weight_sync.in_flight import PushHandle
 from tensorwire.collectives.weight_sync.members.common import layout_hook, release_hook
+from tensorwire.collectives.weight_sync.planning import subsets
 from tensorwire.collectives.weight_sync.planning.buckets import DEFAULT_BUCKET_BYTES
 from tensorwire.collectives.weight_sync.planning.layout import ParamPiece
 from tensorwire.collectives.weight_sync.planning.plan import Fuse, NameMap, Plan
@@ -59,6 +60,7 @@ from tensorwire.collectives.weight_sync.recovery import late_joiners
 from tensorwire.collectives.weight_sync.recovery.failover import two_sources
 from tensorwire.collectives.weight_sync.recovery.stalls import PATIENCE_FLOOR_S
 from tensorwire.collectives.weight_sync.report.summary import SyncReport
+from tensorwire.collectives.weight_sync.settings import checked_settings
 from tensorwire.collectives.weight_sync.tries import push_version
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime.agent import agent as runtime_agent
@@ -154,7 +156,7 @@ class WeightSync:
     ) -> None:
         trainers = (trainers,) if isinstance(trainers, ActorHandle) else tuple(trainers)
         check_actors([*trainers, *receivers], "WeightSync (trainers and receivers)")
-        stall_s = _checked_settings(
+        stall_s = checked_settings(
             trainers,
             receivers,
             bucket_bytes=bucket_bytes,
@@ -334,8 +336,13 @@ class WeightSync:
             raise TensorwireError(f"weight sync {self.name}: the rehearsal failed in receiver(s) {broken}")
         return True
 
-    def push(self) -> SyncReport:
+    def push(self, *, names: Iterable[str] | None = None, changed: Callable[[str], bool] | None = None) -> SyncReport:
         """Push the trainers' current tensors as the next version; returns the report.
+
+        ``names`` (trainer parameter names) or ``changed`` (``f(trainer name) -> bool``, run
+        here): push only those parameters (:mod:`.planning.subsets`: each receiver parameter
+        they feed, whole); the receivers keep the others as they are and the version applies to
+        the whole model.
 
         Receivers that die or fail are listed in ``report.failed`` (and left out of later
         pushes if they died); the others are complete.
@@ -348,23 +355,32 @@ class WeightSync:
                 position, why, and ``.report`` with what the receivers did).
             TensorwireError: A trainer failed (the message names it; ``.report``).
             RuntimeError: A ``push_async`` is in flight, or the sync was closed.
+            ValueError: ``names`` the trainers do not sync, or an empty subset.
         """
         self._check_idle("push")
-        return push_version(self)
+        return push_version(self, subsets.subset_of(self.plan, names, changed))
 
-    def push_async(self, *, snapshot: bool = True) -> PushHandle:
+    def push_async(
+        self,
+        *,
+        snapshot: bool = True,
+        names: Iterable[str] | None = None,
+        changed: Callable[[str], bool] | None = None,
+    ) -> PushHandle:
         """Start pushing the next version and return once the trainers' bytes of it are fixed:
         the trainers may train the next step while it moves (:mod:`.in_flight`). ``snapshot``:
         each trainer copies the tensors it serves from first (one copy of its synced tensors,
         on their device, until the push ends); False: no copy, the caller keeps the trainers'
-        tensors unchanged until the handle is done. ``handle.result()`` gives the report.
+        tensors unchanged until the handle is done. ``names``/``changed``: as for :meth:`push`.
+        ``handle.result()`` gives the report.
 
         Raises:
             RuntimeError: Another push is in flight (one per sync at a time), or the sync was closed.
             TensorwireError: A trainer could not copy its tensors (nothing was pushed).
         """
         self._check_idle("push_async")
-        self.in_flight = in_flight.start(self, functools.partial(push_version, self), snapshot=snapshot)
+        push = functools.partial(push_version, self, subsets.subset_of(self.plan, names, changed))
+        self.in_flight = in_flight.start(self, push, snapshot=snapshot)
         return self.in_flight
 
     def _check_idle(self, what: str) -> None:
@@ -451,41 +467,3 @@ class WeightSync:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
-
-
-def _checked_settings(
-    trainers: tuple[ActorHandle, ...],
-    receivers: Sequence[ActorHandle],
-    *,
-    bucket_bytes: int,
-    commit: str,
-    aside: str,
-    atomic: bool,
-    publish: str,
-    on_commit: object,
-    transport: str,
-    timeout_s: float,
-    stall_s: float | None,
-) -> float | None:
-    """Raise for settings that cannot work together; returns ``stall_s`` (None: adaptive)."""
-    if not trainers:
-        raise ValueError("WeightSync needs at least one trainer")
-    if not receivers:
-        raise ValueError("WeightSync needs at least one receiver")
-    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError("bucket_bytes must be a positive number of bytes")
-    if commit not in ("all", "each"):
-        raise ValueError(f"commit={commit!r}: expected 'all' (every receiver or none) or 'each' (each on its own)")
-    if aside not in ("shadow", "none") or (aside == "none" and (commit != "all" or atomic)):
-        raise ValueError(f"aside={aside!r}: expected 'shadow', or 'none' with commit='all' (and no atomic)")
-    if publish not in ("copy", "swap") or (publish == "swap" and (aside == "none" or (commit != "all" and not atomic))):
-        raise ValueError(f"publish={publish!r}: expected 'copy', or 'swap' where versions are assembled in shadows")
-    if on_commit is not None and not (isinstance(on_commit, str) and on_commit) and not callable(on_commit):
-        raise TypeError("on_commit must name a receiver method or be a function f(actor, version)")
-    if stall_s is not None and validate_timeout(stall_s) >= timeout_s:
-        raise ValueError(f"stall_s={stall_s:g} must be below timeout_s={timeout_s:g} (how long trainers wait)")
-    if transport != "auto":
-        from tensorwire.transport import registry
-
-        registry.get_transport_class(transport)  # unknown names: "did you mean"
-    return stall_s

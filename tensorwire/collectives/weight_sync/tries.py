@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from tensorwire.collectives.weight_sync.planning.layout import ParamPiece
 from tensorwire.collectives.weight_sync.planning.plan import Arrived
+from tensorwire.collectives.weight_sync.planning.subsets import Subset
 from tensorwire.collectives.weight_sync.push import PushingSync, abandon, run_try
 from tensorwire.collectives.weight_sync.recovery import failover
 from tensorwire.collectives.weight_sync.report.summary import SyncReport
@@ -34,8 +35,9 @@ class Pushing(PushingSync, failover.FailingOver, Protocol):
     def live_receivers(self) -> tuple[int, ...]: ...
 
 
-def push_version(sync: Pushing) -> SyncReport:
-    """Push the trainers' tensors as the next version (see :meth:`..sync.WeightSync.push`)."""
+def push_version(sync: Pushing, only: Subset | None = None) -> SyncReport:
+    """Push the trainers' tensors as the next version (see :meth:`..sync.WeightSync.push`;
+    ``only``: a subset push's receiver parameters)."""
     version = sync.state.start()
     replaced: dict[str, str] = {}
     lost: dict[tuple[str, str], int] = {}  # (replaced trainer, receiver) -> failovers
@@ -49,7 +51,7 @@ def push_version(sync: Pushing) -> SyncReport:
         live = sync.live_receivers()
         try:
             try:
-                report = run_try(sync, live, version, have)
+                report = run_try(sync, live, version, have, only=only)
                 break
             except TrainerLost as e:  # complete from the others if they can
                 refused = failover.fail_over(sync, e, replaced, lost)

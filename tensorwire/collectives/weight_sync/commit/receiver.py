@@ -176,8 +176,10 @@ def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
     if committed_already(spec):
         return
     if spec.shadow:
+        chosen = range(len(targets)) if spec.published is None else spec.published  # (a subset push: its own)
         with _fence(actor, spec):
-            for i, target in enumerate(targets):
+            for i in chosen:
+                target = targets[i]
                 if spec.publish == "swap":
                     aside.swap_in(spec, targets, i)
                 else:

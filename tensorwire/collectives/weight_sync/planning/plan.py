@@ -341,8 +341,9 @@ class Plan:
                 pairs[(t.trainer, r)] = pairs.get((t.trainer, r), 0) + t.nbytes
         return pairs
 
-    def receiver_nbytes_of(self, receiver: int) -> int:
-        return sum(t.nbytes for t in self.receivers[receiver])
+    def receiver_nbytes_of(self, receiver: int, targets: frozenset[str] | None = None) -> int:
+        """Bytes ``receiver`` gets in a push (of its parameters ``targets`` only, when given)."""
+        return sum(t.nbytes for t in self.receivers[receiver] if targets is None or t.target in targets)
 
     def receiver_nbytes(self) -> dict[int, int]:
         return {r: sum(t.nbytes for t in transfers) for r, transfers in self.receivers.items()}

@@ -103,10 +103,12 @@ def member_specs(
     *,
     in_place: bool,
     voted: bool = False,
+    only: Mapping[int, frozenset[str]] | None = None,
 ) -> tuple[dict[int, bytes], dict[int, tuple[Role, ...]], int]:
     """Each member's part of a push over the ``live`` receivers (``have``: pieces they hold
     already; ``in_place``: all-or-none without shadows; ``voted``: in place, the driver said
-    commit in an earlier try), serialised once (pushes over the same members only change the
+    commit in an earlier try; ``only``: per receiver, the parameters a subset push rewrites
+    and publishes), serialised once (pushes over the same members only change the
     version and channel); the roles per channel rank; the buckets."""
     descriptions = (*sync.trainer_descriptions, *(sync.receiver_descriptions[r] for r in live))
     layouts = [*sync.trainer_layouts, *(sync.receiver_layouts[r] for r in live)]
@@ -132,7 +134,11 @@ def member_specs(
             buckets=buckets,
         )
         is_trainer = rank < len(sync.trainers)
-        spec = _trainer_spec(sync, common) if is_trainer else _receiver_spec(sync, common, in_place, voted)
+        if is_trainer:
+            spec = _trainer_spec(sync, common)
+        else:
+            published = None if only is None else only.get(live[rank - len(sync.trainers)], frozenset())
+            spec = _receiver_spec(sync, common, in_place, voted, published)
         blobs[rank] = _serialised(spec)
     return blobs, roles, buckets
 
@@ -179,9 +185,12 @@ def _trainer_spec(sync: SyncSettings, common: dict[str, Any]) -> PushSpec:
     )
 
 
-def _receiver_spec(sync: SyncSettings, common: dict[str, Any], in_place: bool, voted: bool) -> PushSpec:
-    """A receiver's spec: where its tensors are, how it commits (a shadow, or in place), its
-    float8 scales and ``on_commit``."""
+def _receiver_spec(
+    sync: SyncSettings, common: dict[str, Any], in_place: bool, voted: bool, published: frozenset[str] | None
+) -> PushSpec:
+    """A receiver's spec: where its tensors are, how it commits (a shadow, or in place), what
+    it publishes (``published``: a subset push's parameters; None: all), its float8 scales and
+    ``on_commit``."""
     index = {p.name: i for i, p in enumerate(common["layout"])}
     scales = tuple((index[n], index[s]) for n, s in sync.plan.mapping.scales.items() if n in index and s in index)
     return PushSpec(
@@ -193,7 +202,20 @@ def _receiver_spec(sync: SyncSettings, common: dict[str, Any], in_place: bool, v
         on_commit=sync.on_commit,
         in_place=in_place,
         voted=voted and in_place,
+        published=_published(published, index, scales),
     )
+
+
+def _published(
+    published: frozenset[str] | None, index: Mapping[str, int], scales: tuple[tuple[int, int], ...]
+) -> tuple[int, ...] | None:
+    """The parameter indices a subset push's receiver publishes: its parameters and the scale
+    of each float8 one among them (None: a whole push, all)."""
+    if published is None:
+        return None
+    chosen = {index[n] for n in published}
+    chosen.update(scale for param, scale in scales if param in chosen)
+    return tuple(sorted(chosen))
 
 
 def _serialised(spec: PushSpec) -> bytes:

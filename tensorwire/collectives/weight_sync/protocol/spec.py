@@ -71,6 +71,7 @@ class PushSpec:
     stall_s: float = 0.0  # receiver: a trainer that sends no next bucket for this long stalled (0: adaptive)
     in_place: bool = False  # receiver, all-or-none without shadows: vote first, write inside the fence held till then
     voted: bool = False  # in place, a failover's next try: the driver said commit already (no second vote)
+    published: tuple[int, ...] | None = None  # receiver: a subset push's parameters, the ones it publishes (None: all)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pytest
 from tensorwire.collectives.weight_sync.protocol.assign import _serialised
 from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
 
-SCRIPT = '''
+SCRIPT = """
 def halve(name, tensor):
     return tensor / 2
 
@@ -19,7 +19,7 @@ def remember(receiver, version):
     receiver.seen = (SCALE, version)
 
 SCALE = 3
-'''
+"""
 
 
 @pytest.fixture
