@@ -76,3 +76,10 @@ def test_overlap_training_pushes_each_version_while_the_next_step_trains():
     out = run_example("overlap_training.py", "--iterations", "3")
     assert "step with a push in flight:" in out and "the push overlapped with the next step:" in out
     assert "done: 6 versions, each on every server as the learner had it after its step" in out
+
+
+def test_lora_sync_moves_the_adapters_only_and_every_server_matches():
+    out = run_example("lora_sync.py", "--steps", "5")
+    assert "v1, everything: 32.53 MiB" in out  # base and adapters, 2 servers
+    assert out.count("adapters only: 512 KiB") == 2  # steps 1 and 5: 256 KiB of adapters to each server
+    assert "done: 5 adapter versions, swapped in whole on every server" in out
