@@ -13,6 +13,7 @@ import torch
 
 from tensorwire.collectives.groups.channel import describe_self, member_from
 from tensorwire.collectives.groups.tensorwire_group import TensorwireGroup
+from tensorwire.collectives.weight_sync.commit import aside
 from tensorwire.collectives.weight_sync.members import common, receiver, trainer
 from tensorwire.collectives.weight_sync.planning.layout import Shard, Sharded
 from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
@@ -64,6 +65,9 @@ def sync_receive(spec: PushSpec, tensors: int, device: str) -> dict:
     result = dataclasses.asdict(receiver.receive(actor, spec))
     result["digest"] = digest(actor.weights)
     result["in_place"] = before == [t.data_ptr() for t in actor.weights.values()]
+    if spec.shadow:  # where the version was assembled (the shadows kept between pushes)
+        kept = aside.destinations(spec, list(actor.weights.values()))
+        result["shadows"] = [(t.device.type, t.is_pinned()) for t in kept]
     common.release_hook(actor, spec.sync_id)
     return result
 

@@ -33,10 +33,16 @@ def checked_settings(
         raise ValueError("bucket_bytes must be a positive number of bytes")
     if commit not in ("all", "each"):
         raise ValueError(f"commit={commit!r}: expected 'all' (every receiver or none) or 'each' (each on its own)")
-    if aside not in ("shadow", "none") or (aside == "none" and (commit != "all" or atomic)):
-        raise ValueError(f"aside={aside!r}: expected 'shadow', or 'none' with commit='all' (and no atomic)")
-    if publish not in ("copy", "swap") or (publish == "swap" and (aside == "none" or (commit != "all" and not atomic))):
-        raise ValueError(f"publish={publish!r}: expected 'copy', or 'swap' where versions are assembled in shadows")
+    if aside not in ("shadow", "host", "none") or (aside == "none" and (commit != "all" or atomic)):
+        raise ValueError(f"aside={aside!r}: expected 'shadow', 'host', or 'none' with commit='all' (and no atomic)")
+    if aside == "host" and commit != "all" and not atomic:
+        raise ValueError("aside='host' assembles versions aside: it needs commit='all' or atomic=True")
+    swappable = aside == "shadow" and (commit == "all" or atomic)
+    if publish not in ("copy", "swap") or (publish == "swap" and not swappable):
+        raise ValueError(
+            f"publish={publish!r}: expected 'copy', or 'swap' where versions are assembled in shadows beside "
+            "the tensors (aside='shadow')"
+        )
     if on_commit is not None and not (isinstance(on_commit, str) and on_commit) and not callable(on_commit):
         raise TypeError("on_commit must name a receiver method or be a function f(actor, version)")
     if stall_s is not None and validate_timeout(stall_s) >= timeout_s:

@@ -96,6 +96,9 @@ class WeightSync:
             had); ``"each"``: every receiver commits on its own (in place unless ``atomic``).
         aside: Where an all-or-none version is assembled. ``"shadow"``: a copy of each
             receiver's parameters (kept between pushes; readers wait for one local copy).
+            ``"host"``: the same copy in host memory (pinned where CUDA is), published into the
+            receivers' tensors by one host-to-device copy each inside the fence: a GPU receiver
+            keeps one copy of its weights on the GPU (``publish="copy"`` only).
             ``"none"``: in the receivers' tensors, inside their fence held from their vote
             (before the first write) until they publish: no memory aside (float8 staging
             apart), readers wait the whole push; needs every byte held by two trainers, so that

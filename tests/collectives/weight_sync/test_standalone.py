@@ -32,8 +32,11 @@ def test_tensorwire_broadcast_between_processes(workers, device):
     assert digests == [workers[0].call("tests.collectives.standalone:expected_broadcast", 1)] * 3
 
 
+@pytest.mark.parametrize("aside", ["none", "host"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_weight_sync_hooks_between_processes(workers, device):
+def test_weight_sync_hooks_between_processes(workers, device, aside):
+    """In place, or (``aside="host"``) assembled in host memory, pinned for a GPU receiver, and
+    published into its tensors."""
     tensors = 40
     layout = tuple(ParamPiece(f"w{i}", (1 << 16,), "float32", Box.full((1 << 16,))) for i in range(tensors))
     plan = plan_sync([layout], [layout, layout])
@@ -62,6 +65,8 @@ def test_weight_sync_hooks_between_processes(workers, device):
             verify=True,
             transport="",
             timeout_s=60.0,
+            shadow=aside == "host" and rank > 0,
+            shadow_on_host=aside == "host" and rank > 0,
         )
 
     workers[0].send("tests.collectives.standalone:sync_send", spec(0), tensors, device)
@@ -73,6 +78,9 @@ def test_weight_sync_hooks_between_processes(workers, device):
         assert result["digest"] == sent["digest"] and result["in_place"] and result["version"] == 1
         expected = {"shm": 10} if device == "cpu" else {"cuda_ipc": 10}
         assert result["transports"] == expected and result["nbytes"] == tensors << 18
+        if aside == "host":  # not beside the receiver's tensors: host memory, pinned for a GPU
+            assert result["aside_nbytes"] == tensors << 18
+            assert set(result["shadows"]) == {("cpu", device == "cuda")}
     workers[0].call("tests.collectives.standalone:release", "standalone")
 
 

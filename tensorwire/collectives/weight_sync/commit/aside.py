@@ -3,7 +3,10 @@
 *Shadows*: a copy of each receiver tensor that a push with ``spec.shadow`` (``atomic``, or the
 all-or-none default) writes into, published by one local copy inside the fence
 (:func:`..commit.receiver.commit`), or by the two trading memory (:func:`swap_in`,
-``publish="swap"``). *Float8 staging*: a tensor of the wire dtype per float8
+``publish="swap"``). Beside the tensor, on its device, or (``aside="host"``,
+``spec.shadow_on_host``) in host memory, pinned where CUDA is, so that a GPU receiver holds
+one copy of its weights on the GPU; publishing is then one host-to-device copy per tensor.
+*Float8 staging*: a tensor of the wire dtype per float8
 parameter, quantised into the parameter (or its shadow) with a per-tensor scale
 (:func:`quantise`). Both are dropped by :func:`release`.
 """
@@ -30,11 +33,21 @@ def aside_nbytes(sync_id: str) -> int:
     return sum(t.numel() * t.element_size() for key, t in list(_shadows.items()) if key[0] == sync_id)
 
 
-def _kept(key: tuple[str, int], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _kept(
+    key: tuple[str, int], shape: torch.Size, dtype: torch.dtype, device: torch.device, *, pinned: bool = False
+) -> torch.Tensor:
     kept = _shadows.get(key)
     if kept is None or kept.shape != shape or kept.dtype != dtype or kept.device != device:
-        kept = _shadows[key] = torch.empty(shape, dtype=dtype, device=device)
+        kept = _shadows[key] = torch.empty(shape, dtype=dtype, device=device, pin_memory=pinned)
     return kept
+
+
+def _shadow(spec: PushSpec, i: int, target: torch.Tensor) -> torch.Tensor:
+    """Target ``i``'s shadow: beside it, or in (pinned, for a CUDA target) host memory."""
+    if not spec.shadow_on_host:
+        return _kept((spec.sync_id, i), target.shape, target.dtype, target.device)
+    pinned = target.device.type == "cuda" and torch.cuda.is_available()
+    return _kept((spec.sync_id, i), target.shape, target.dtype, torch.device("cpu"), pinned=pinned)
 
 
 def destinations(spec: PushSpec, targets: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -50,7 +63,7 @@ def destinations(spec: PushSpec, targets: list[torch.Tensor]) -> list[torch.Tens
         elif i in fp8 and staged is not None:
             result.append(staged)
         elif spec.shadow:
-            result.append(_kept((spec.sync_id, i), target.shape, target.dtype, target.device))
+            result.append(_shadow(spec, i, target))
         else:
             result.append(target)
     return result
@@ -59,7 +72,7 @@ def destinations(spec: PushSpec, targets: list[torch.Tensor]) -> list[torch.Tens
 def shadow_of(spec: PushSpec, targets: list[torch.Tensor], i: int) -> torch.Tensor:
     if not spec.shadow:
         return targets[i]
-    return _kept((spec.sync_id, i), targets[i].shape, targets[i].dtype, targets[i].device)
+    return _shadow(spec, i, targets[i])
 
 
 def quantise(spec: PushSpec, targets: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:

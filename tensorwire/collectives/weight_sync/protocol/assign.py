@@ -46,6 +46,7 @@ class SyncSettings(Protocol):
     fence: str | None
     on_commit: str | Callable[[Any, int], None] | None
     transform: Callable[[str, Any], Any] | None
+    aside: str
 
     @property
     def receiver_layouts(self) -> dict[int, tuple[ParamPiece, ...]]: ...
@@ -197,6 +198,7 @@ def _receiver_spec(
         **common,
         where=sync.target,
         shadow=(sync.atomic or sync.commit == "all") and not in_place,
+        shadow_on_host=sync.aside == "host",
         publish=sync.publish,
         scales=scales,
         on_commit=sync.on_commit,
