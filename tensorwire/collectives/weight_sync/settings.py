@@ -19,6 +19,7 @@ def checked_settings(
     aside: str,
     atomic: bool,
     publish: str,
+    load: str | None,
     on_commit: object,
     transport: str,
     timeout_s: float,
@@ -37,6 +38,11 @@ def checked_settings(
         raise ValueError(f"aside={aside!r}: expected 'shadow', 'host', or 'none' with commit='all' (and no atomic)")
     if aside == "host" and commit != "all" and not atomic:
         raise ValueError("aside='host' assembles versions aside: it needs commit='all' or atomic=True")
+    if load is not None and (not isinstance(load, str) or not load or aside == "none" or publish != "copy"):
+        raise ValueError(
+            f"load={load!r}: expected the name of a receiver method, with aside='shadow' or 'host' and publish='copy' "
+            "(versions are assembled aside and fed to it)"
+        )
     swappable = aside == "shadow" and (commit == "all" or atomic)
     if publish not in ("copy", "swap") or (publish == "swap" and not swappable):
         raise ValueError(

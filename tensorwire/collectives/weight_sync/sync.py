@@ -124,6 +124,13 @@ class WeightSync:
             trade memory (no copy; the tensor objects stay, a module's parameters included).
             Only where the receiver allows it: views taken of its tensors before a push (an
             engine's cached views, CUDA graphs) keep the old memory.
+        load: Name of a receiver method taking an iterable of ``(name, tensor)`` pairs (an
+            engine's ``load_weights``, which fuses, permutes or quantises as it loads). Each
+            version is assembled aside (``aside``: beside or in host memory) and fed to it in one
+            call inside the fence (the tensors are the sync's buffers: the loader copies what it
+            keeps). ``target`` then gives what the loader takes, in its names: tensors, meta
+            tensors (no memory) or ``Sharded`` pieces (the loader gets each piece); their memory
+            is never written. Late joiners are pushed from the trainers.
 
     Attributes:
         version: The last version pushed (or being pushed).
@@ -156,6 +163,7 @@ class WeightSync:
         stall_s: float | None = None,
         prepare: bool = True,
         publish: str = "copy",
+        load: str | None = None,
     ) -> None:
         trainers = (trainers,) if isinstance(trainers, ActorHandle) else tuple(trainers)
         check_actors([*trainers, *receivers], "WeightSync (trainers and receivers)")
@@ -167,6 +175,7 @@ class WeightSync:
             aside=aside,
             atomic=atomic,
             publish=publish,
+            load=load,
             on_commit=on_commit,
             transport=transport,
             timeout_s=timeout_s,
@@ -181,7 +190,7 @@ class WeightSync:
         self.atomic = atomic
         self.fence = fence
         self.commit = commit
-        self.aside, self.publish = aside, publish
+        self.aside, self.publish, self.load = aside, publish, load
         self.on_commit = on_commit
         self.transform = transform
         self.progress = sys.stderr.isatty() if progress is None else progress
@@ -330,7 +339,7 @@ class WeightSync:
         """
         self._check_idle("prepare")
         live = self.live_receivers()
-        if not live or self.aside == "none" or not (self.atomic or self.commit == "all"):
+        if not live or self.aside == "none" or not (self.atomic or self.commit == "all" or self.load):
             return False
         report = run_try(self, live, self.state.version, rehearsal=True)
         self.state.finish(committed=False)

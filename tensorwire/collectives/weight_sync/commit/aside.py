@@ -44,7 +44,7 @@ def _kept(
 
 def _shadow(spec: PushSpec, i: int, target: torch.Tensor) -> torch.Tensor:
     """Target ``i``'s shadow: beside it, or in (pinned, for a CUDA target) host memory."""
-    if not spec.shadow_on_host:
+    if not spec.shadow_on_host and target.device.type != "meta":  # (a loader's layout may be meta tensors)
         return _kept((spec.sync_id, i), target.shape, target.dtype, target.device)
     pinned = target.device.type == "cuda" and torch.cuda.is_available()
     return _kept((spec.sync_id, i), target.shape, target.dtype, torch.device("cpu"), pinned=pinned)

@@ -165,6 +165,8 @@ def check_commit(actor: object, spec: PushSpec) -> None:
         raise AttributeError(f"the receiver ({type(actor).__name__}) has no fence attribute {spec.fence!r}")
     if isinstance(spec.on_commit, str) and not callable(getattr(actor, spec.on_commit, None)):
         raise AttributeError(f"the receiver ({type(actor).__name__}) has no on_commit method {spec.on_commit!r}")
+    if spec.load is not None and not callable(getattr(actor, spec.load, None)):
+        raise AttributeError(f"the receiver ({type(actor).__name__}) has no loader method {spec.load!r} (load=)")
 
 
 def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
@@ -175,7 +177,9 @@ def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
     nothing: it read nothing new)."""
     if committed_already(spec):
         return
-    if spec.shadow:
+    if spec.shadow and spec.load is not None:
+        _feed_loader(actor, spec, targets)
+    elif spec.shadow:
         chosen = range(len(targets)) if spec.published is None else spec.published  # (a subset push: its own)
         with _fence(actor, spec):
             for i in chosen:
@@ -195,6 +199,17 @@ def commit(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
         hook(spec.version)
     else:
         hook(actor, spec.version)
+
+
+def _feed_loader(actor: object, spec: PushSpec, targets: list[torch.Tensor]) -> None:
+    """Publish a version assembled aside through the receiver's loader (``load=``), inside the
+    fence: one call with ``(name, tensor)`` for each parameter (a subset push: its own), the
+    tensors being the sync's buffers, valid during the call (the loader copies what it keeps)."""
+    chosen = range(len(targets)) if spec.published is None else spec.published
+    loader = getattr(actor, spec.load)
+    with _fence(actor, spec):
+        loader([(spec.layout[i].name, aside.shadow_of(spec, targets, i)) for i in chosen])
+        _publish(spec)
 
 
 def committed_already(spec: PushSpec) -> bool:

@@ -47,6 +47,7 @@ class SyncSettings(Protocol):
     on_commit: str | Callable[[Any, int], None] | None
     transform: Callable[[str, Any], Any] | None
     aside: str
+    load: str | None
 
     @property
     def receiver_layouts(self) -> dict[int, tuple[ParamPiece, ...]]: ...
@@ -197,7 +198,8 @@ def _receiver_spec(
     return PushSpec(
         **common,
         where=sync.target,
-        shadow=(sync.atomic or sync.commit == "all") and not in_place,
+        shadow=(sync.atomic or sync.commit == "all" or sync.load is not None) and not in_place,
+        load=sync.load,
         shadow_on_host=sync.aside == "host",
         publish=sync.publish,
         scales=scales,

@@ -62,6 +62,7 @@ class PushSpec:
     shadow: bool = False  # receiver: assemble the version in shadow copies, published inside the fence
     publish: str = "copy"  # receiver with shadows: "copy" them into its tensors, or "swap" memory with them
     shadow_on_host: bool = False  # receiver with shadows: in host memory (pinned where CUDA is), not beside its tensors
+    load: str | None = None  # receiver: its method taking (name, tensor) pairs, fed the shadows at commit
     fence: str | None = None
     scales: tuple[tuple[int, int], ...] = ()  # receiver: (float8 param, its scale param)
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None

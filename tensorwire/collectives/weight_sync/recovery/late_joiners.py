@@ -25,10 +25,11 @@ def catch_up(sync: Any, rid: int, push_to: Callable[[tuple[int, ...], int], Any]
     ``push_to(receivers, version)`` pushes from the trainers; ``dead``: receivers known dead."""
     version = sync.committed
     layout = sync.receiver_layouts[rid]
+    # float8 layouts go from the trainers, whose plan quantises; a loader's receivers hold
+    # their weights where the sync cannot read them
+    copyable = sync.load is None and not any("float8" in p.dtype for p in layout)
     replicas = [
-        r
-        for r, theirs in sync.receiver_layouts.items()
-        if r != rid and theirs == layout and r not in dead and not any("float8" in p.dtype for p in layout)
+        r for r, theirs in sync.receiver_layouts.items() if copyable and r != rid and theirs == layout and r not in dead
     ]
     held = dict(zip(sync.receiver_ids, sync.versions(), strict=True)) if replicas else {}
     source = next((r for r in replicas if held.get(r) == version), None)
