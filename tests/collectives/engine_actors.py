@@ -82,3 +82,48 @@ class Engine:
         x = x * self.scale
         q, k, v = (x @ self.qkv_t).chunk(3, dim=-1)
         return (torch.softmax(q @ k.T, dim=-1) @ v) @ self.out.T
+
+
+EXPERTS, HIDDEN = 8, (4, 6)  # 8 experts of 4 x 6
+
+
+def global_experts(version: int) -> torch.Tensor:
+    """Every expert's weights at ``version``: expert e is filled with 100 * version + e (and a
+    ramp, so that rows and columns are told apart)."""
+    ramp = torch.arange(HIDDEN[0] * HIDDEN[1], dtype=torch.float32).reshape(HIDDEN) / 100
+    return torch.stack([ramp + 100 * version + e for e in range(EXPERTS)])
+
+
+@tw.remote(num_cpus=0)
+class ExpertTrainer:
+    """Expert-parallel rank ``rank`` of ``ranks``: a contiguous block of the experts."""
+
+    def __init__(self, rank: int, ranks: int) -> None:
+        self.per = EXPERTS // ranks
+        self.rank = rank
+        self.version = 1
+        self.block = global_experts(1)[rank * self.per : (rank + 1) * self.per].clone()
+
+    def weights(self) -> dict:
+        offsets = (self.rank * self.per, 0, 0)
+        return {"experts": tw.collective.Sharded.at(self.block, (EXPERTS, *HIDDEN), offsets)}
+
+    def step(self) -> None:
+        self.version += 1
+        self.block.copy_(global_experts(self.version)[self.rank * self.per : (self.rank + 1) * self.per])
+
+
+@tw.remote(num_cpus=0)
+class ExpertEngine:
+    """An inference rank holding the experts its map names, slot by slot."""
+
+    def __init__(self, experts: list[int]) -> None:
+        self.experts = experts
+        self.slots = torch.zeros(len(experts), *HIDDEN)
+
+    def weights(self) -> dict:
+        return {"experts": tw.collective.Sharded.experts(self.slots, self.experts, EXPERTS)}
+
+    def holds(self, version: int) -> bool:
+        """Whether every slot holds its expert as of ``version``."""
+        return torch.equal(self.slots, global_experts(version)[self.experts])

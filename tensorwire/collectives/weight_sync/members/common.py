@@ -121,7 +121,7 @@ def memo(obj: Any, make: Callable[[Any], Any]) -> Any:
 
 def layout_key(layout: Sequence[ParamPiece]) -> list[tuple[Any, ...]]:
     """A layout as plain tuples: compared in C (dataclass equality of thousands of entries is not)."""
-    return [(h.name, h.global_shape, h.dtype, h.box.offsets, h.box.sizes, h.placements) for h in layout]
+    return [(h.name, h.global_shape, h.dtype, h.box.offsets, h.box.sizes, h.placements, h.rows) for h in layout]
 
 
 def bucket_views(

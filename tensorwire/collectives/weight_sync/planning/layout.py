@@ -208,6 +208,7 @@ class ParamPiece:
     placements: tuple[Placement, ...] | None = None
     mesh_shape: tuple[int, ...] | None = None
     coordinate: tuple[int, ...] | None = None
+    rows: tuple[int, ...] | None = None  # placed by an expert map: the global expert in each local slot (dim 0)
 
     @property
     def nbytes(self) -> int:
@@ -228,6 +229,14 @@ class Sharded:
     placements: tuple[Placement, ...] | None = None
     mesh_shape: tuple[int, ...] | None = None
     coordinate: tuple[int, ...] | None = None
+    rows: tuple[int, ...] | None = None
+
+    @classmethod
+    def experts(cls, tensor: torch.Tensor, experts: Sequence[int], num_experts: int) -> Sharded:
+        """``tensor`` holds, in slot ``s`` along dim 0, global expert ``experts[s]`` of a
+        parameter of ``num_experts`` experts (an inference engine's expert map: any order, an
+        expert on several ranks; :mod:`.experts`)."""
+        return cls(tensor, (num_experts, *tuple(tensor.shape)[1:]), (0,) * tensor.dim(), rows=tuple(experts))
 
     @classmethod
     def at(cls, tensor: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int]) -> Sharded:
@@ -291,7 +300,14 @@ def describe_value(
     layout, tensors = [], []
     for name, given in value.items():
         item = _from_dtensor(given) if _is_dtensor(given) else given
-        if isinstance(item, Sharded):
+        if isinstance(item, Sharded) and item.rows is not None:
+            local = item.tensor
+            if not isinstance(local, torch.Tensor):
+                raise TypeError(f"{role} {name!r}: Sharded holds {type(local).__name__}, not a tensor")
+            _check_rows(f"{role} {name!r}", item.rows, tuple(local.shape), item.global_shape)
+            box = Box((0,) * local.dim(), tuple(local.shape))
+            held = ParamPiece(name, item.global_shape, dtype_name(local.dtype), box, rows=item.rows)
+        elif isinstance(item, Sharded):
             local = item.tensor
             if not isinstance(local, torch.Tensor):
                 raise TypeError(f"{role} {name!r}: Sharded holds {type(local).__name__}, not a tensor")
@@ -312,3 +328,18 @@ def describe_value(
         layout.append(held)
         tensors.append(local if own_tensors else local.detach())
     return layout, tensors
+
+
+def _check_rows(who: object, rows: Sequence[int], local_shape: Sequence[int], global_shape: Sequence[int]) -> None:
+    """Raise ``ValueError`` for an expert map that cannot describe the local tensor."""
+    if not global_shape or len(local_shape) != len(global_shape):
+        raise ValueError(f"{who}: an expert map needs a local tensor of the global tensor's rank, experts along dim 0")
+    if len(rows) != local_shape[0]:
+        raise ValueError(f"{who}: its expert map lists {len(rows)} experts for {local_shape[0]} slots along dim 0")
+    if tuple(local_shape[1:]) != tuple(global_shape[1:]):
+        raise ValueError(
+            f"{who}: each slot must hold a whole expert: local shape {list(local_shape)}, global {list(global_shape)}"
+        )
+    bad = [e for e in rows if not 0 <= e < global_shape[0]]
+    if bad:
+        raise ValueError(f"{who}: experts {bad[:5]} are not among the {global_shape[0]} experts")

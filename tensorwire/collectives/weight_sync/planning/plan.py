@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tensorwire.collectives.weight_sync.planning import buckets as bucket_policy
+from tensorwire.collectives.weight_sync.planning import experts
 from tensorwire.collectives.weight_sync.planning.layout import FLOAT8, Box, ParamPiece, dtype_itemsize, placement_box
 from tensorwire.collectives.weight_sync.planning.mapping import Fuse, NameMap
 from tensorwire.units import nbytes_text
@@ -217,7 +218,7 @@ class Plan:
     def _whole_piece(self, held: ParamPiece) -> list[Transfer] | None:
         """The common case without the general machinery: a plain parameter of the trainers'
         dtype whose piece is exactly some trainers' piece (None: take the general path)."""
-        if held.placements is not None or held.name in self.mapping.fuse:
+        if held.placements is not None or held.rows is not None or held.name in self.mapping.fuse:
             return None
         source = self._sources.get(held.name)
         first = self._first.get(source) if source is not None else None
@@ -238,6 +239,12 @@ class Plan:
         self, who: _Who, held: ParamPiece, parts: Sequence[str], shapes: Sequence[tuple[int, ...]], fused: Fuse | None
     ) -> list[tuple[str, Box, tuple[int, ...]]]:
         """(part, the piece of it this receiver needs, where that lands in its local tensor)."""
+        if fused is not None and held.rows is not None:
+            raise ValueError(f"{who}: placed by an expert map and fused: describe the experts unfused")
+        if fused is None and held.rows is not None:  # placed by an expert map
+            if shapes[0] != held.global_shape:
+                raise ValueError(f"{who}: {list(held.global_shape)} experts' tensor, its source {list(shapes[0])}")
+            return experts.needs(parts[0], held)
         if fused is None:
             if shapes[0] != held.global_shape:
                 raise ValueError(
