@@ -17,7 +17,7 @@ import torch
 
 from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
 
-__all__ = ["aside_nbytes", "destinations", "quantise", "release", "shadow_of", "swap_in"]
+__all__ = ["aside_nbytes", "destinations", "quantise", "release", "shadow_device", "shadow_of", "swap_in"]
 
 _shadows: dict[tuple[str, int], torch.Tensor] = {}  # (sync id, param) -> shadow, or (sync id, -1 - param) fp8 staging
 
@@ -42,12 +42,19 @@ def _kept(
     return kept
 
 
+def shadow_device(spec: PushSpec, target: torch.device) -> tuple[torch.device, bool]:
+    """Where the shadow of a tensor on ``target`` goes, and whether pinned: beside it, or in
+    host memory (``aside="host"``, pinned for a CUDA tensor; also for a loader's layout given
+    as meta tensors, which have no memory)."""
+    if not spec.shadow_on_host and target.type != "meta":
+        return target, False
+    return torch.device("cpu"), target.type == "cuda" and torch.cuda.is_available()
+
+
 def _shadow(spec: PushSpec, i: int, target: torch.Tensor) -> torch.Tensor:
-    """Target ``i``'s shadow: beside it, or in (pinned, for a CUDA target) host memory."""
-    if not spec.shadow_on_host and target.device.type != "meta":  # (a loader's layout may be meta tensors)
-        return _kept((spec.sync_id, i), target.shape, target.dtype, target.device)
-    pinned = target.device.type == "cuda" and torch.cuda.is_available()
-    return _kept((spec.sync_id, i), target.shape, target.dtype, torch.device("cpu"), pinned=pinned)
+    """Target ``i``'s shadow (:func:`shadow_device`), kept between pushes."""
+    device, pinned = shadow_device(spec, target.device)
+    return _kept((spec.sync_id, i), target.shape, target.dtype, device, pinned=pinned)
 
 
 def destinations(spec: PushSpec, targets: list[torch.Tensor]) -> list[torch.Tensor]:

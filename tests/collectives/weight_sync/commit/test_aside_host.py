@@ -23,17 +23,19 @@ def spec(sync_id: str, *, on_host: bool) -> PushSpec:
 
 
 def test_host_shadows_are_in_host_memory_not_beside_the_tensors():
+    cuda, meta, cpu = torch.device("cuda", 1), torch.device("meta"), torch.device("cpu")  # (no GPU needed)
+    host, beside = spec("host", on_host=True), spec("beside", on_host=False)
+    assert aside.shadow_device(host, cuda)[0] == cpu  # pinned too where CUDA is (the GPU test checks)
+    assert aside.shadow_device(beside, cuda) == (cuda, False)
+    assert aside.shadow_device(host, cpu) == (cpu, False) and aside.shadow_device(beside, cpu) == (cpu, False)
+    assert aside.shadow_device(beside, meta)[0] == cpu  # a loader's layout in meta tensors: real memory aside
     targets = [torch.empty(8, device="meta"), torch.empty(4, dtype=torch.float16, device="meta")]
     try:
-        beside = aside.destinations(spec("beside", on_host=False), targets)
-        on_host = aside.destinations(spec("host", on_host=True), targets)
-        assert [t.device.type for t in beside] == ["meta", "meta"]
-        assert [t.device.type for t in on_host] == ["cpu", "cpu"]
-        assert [(t.shape, t.dtype) for t in on_host] == [(t.shape, t.dtype) for t in targets]
-        assert aside.shadow_of(spec("host", on_host=True), targets, 1) is on_host[1]  # kept between pushes
+        on_host = aside.destinations(host, targets)
+        assert [(t.device.type, t.shape, t.dtype) for t in on_host] == [("cpu", t.shape, t.dtype) for t in targets]
+        assert aside.shadow_of(host, targets, 1) is on_host[1]  # kept between pushes
         assert aside.aside_nbytes("host") == 8 * 4 + 4 * 2
     finally:
-        aside.release("beside")
         aside.release("host")
 
 
