@@ -66,6 +66,11 @@ class Config:
         holder_check_interval_s: How often the owner checks that holders are alive.
         holder_lost_after_s: A holder on another machine that has not answered for this
             long loses its holds.
+        hold_linger_s: How long this process keeps holding an object after its last reference
+            to it is gone (``TENSORWIRE_HOLD_LINGER_S``, default 1 s; 0: let go at once), so that
+            a reference to it received anew (a consumer that gets one in every message) finds
+            the hold and the transports' state of it still there: no new registration, no new
+            remote descriptors. The owner frees it up to this much later (and a reaper tick).
         host: Address the TCP control service binds to (``TENSORWIRE_HOST``, default
             127.0.0.1; the Ray runtime sets the node's address).
         chunk_nbytes: Chunk size of streamed (two-sided) transfers.
@@ -83,6 +88,7 @@ class Config:
     transit_ttl_s: float = 600.0
     holder_check_interval_s: float = 1.0
     holder_lost_after_s: float = 30.0
+    hold_linger_s: float = 1.0
     host: str = "127.0.0.1"
     chunk_nbytes: int = 4 * 1024 * 1024
     ref_warn_nbytes: int = 1024 * 1024
@@ -98,6 +104,7 @@ class Config:
             transit_ttl_s=_env_float("TENSORWIRE_TRANSIT_TTL_S", cls.transit_ttl_s),
             holder_check_interval_s=_env_float("TENSORWIRE_HOLDER_CHECK_S", cls.holder_check_interval_s),
             holder_lost_after_s=_env_float("TENSORWIRE_HOLDER_LOST_S", cls.holder_lost_after_s),
+            hold_linger_s=_env_float("TENSORWIRE_HOLD_LINGER_S", cls.hold_linger_s),
             host=os.environ.get("TENSORWIRE_HOST", "").strip() or cls.host,
             chunk_nbytes=_env_int("TENSORWIRE_CHUNK_NBYTES", cls.chunk_nbytes) or cls.chunk_nbytes,
             ref_warn_nbytes=_env_int("TENSORWIRE_REF_WARN_NBYTES", cls.ref_warn_nbytes),

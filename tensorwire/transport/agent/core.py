@@ -441,6 +441,7 @@ class Agent(TransportContext, AgentServices):
         """Release every owned object and stop the service. Holder releases are flushed first."""
         if self._closed.is_set():
             return
+        self._holders.let_go_idle(now=float("inf"))  # lingering holds: released with the rest
         self.flush(timeout_s=1.0)
         self._closed.set()
         self._holders.outbox.close()

@@ -2,7 +2,10 @@
 
 DESIGN.md section 5:
 
-* A process *holds* an object while it has at least one live reference to it. Holders tell
+* A process *holds* an object while it has at least one live reference to it, and for
+  ``Config.hold_linger_s`` after (at most :data:`LINGER_MAX` such idle holds): a reference to it
+  received anew meanwhile takes the hold over, with no new ``REGISTER`` and the transports'
+  state of the object kept (the reaper lets idle holds go). Holders tell
   the owner with batched, asynchronous ``REGISTER``/``RELEASE`` operations sent in order by
   one background thread (:mod:`tensorwire.transport.agent.outbox`), so a one-sided fetch never
   waits on a control call.
@@ -34,11 +37,12 @@ from tensorwire.transport.config import Config
 from tensorwire.transport.contract import ObjectDescriptor, PeerInfo
 from tensorwire.transport.hw import topology
 
-__all__ = ["Holders"]
+__all__ = ["LINGER_MAX", "Holders"]
 
 logger = logging.getLogger(__name__)
 
 _HOLDER_KINDS = frozenset(int(k) for k in HolderOpKind)
+LINGER_MAX = 64  # idle holds kept at once (the oldest goes first)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class _Held:
     owner: PeerInfo
     token: bytes
     count: int = 0
+    idle_since: float | None = None  # no reference left since then: lingering (Config.hold_linger_s)
 
 
 class Holders:
@@ -130,6 +135,7 @@ class Holders:
             if first:
                 held = self._held[desc.object_id] = _Held(desc.owner, desc.token)
             held.count += 1
+            held.idle_since = None  # (a lingering hold taken over)
         kind = HolderOpKind.REGISTER if first else HolderOpKind.UNPIN
         if first or pin_id:
             self._send(desc.owner, kind, desc.object_id, desc.token, pin_id)
@@ -153,14 +159,38 @@ class Holders:
             held.count -= 1
             if held.count > 0:
                 return
+            if self._config().hold_linger_s > 0:
+                held.idle_since = time.monotonic()
+                idle = sorted((h.idle_since, oid) for oid, h in self._held.items() if h.idle_since is not None)
+                overflow = [oid for _since, oid in idle[: max(0, len(idle) - LINGER_MAX)]]
+            else:
+                overflow = [desc.object_id]
+        for object_id in overflow:
+            self._let_go(object_id)
+
+    def _let_go(self, object_id: bytes) -> None:
+        """Release the idle hold of ``object_id`` (no reference left): the transports forget
+        it, then the owner is told, unless a reference came back meanwhile."""
         # close mappings before the owner may free (outside the lock: a transport may wait)
-        self._transports.each("forget an object", lambda t: t.forget_object(desc.object_id), level=logging.DEBUG)
+        self._transports.each("forget an object", lambda t: t.forget_object(object_id), level=logging.DEBUG)
         with self._lock:
-            if self._held.get(desc.object_id) is not held or held.count > 0:
+            held = self._held.get(object_id)
+            if held is None or held.count > 0:
                 return  # a reference came back meanwhile: this process still holds, no RELEASE
-            del self._held[desc.object_id]
+            del self._held[object_id]
             # queued under the lock: a REGISTER of a reference that comes back later follows it
-            self._send(held.owner, HolderOpKind.RELEASE, desc.object_id, desc.token)
+            self._send(held.owner, HolderOpKind.RELEASE, object_id, held.token)
+
+    def let_go_idle(self, now: float | None = None) -> int:
+        """Release the holds idle for ``Config.hold_linger_s`` or longer (the reaper's tick);
+        how many."""
+        now = time.monotonic() if now is None else now
+        linger = self._config().hold_linger_s
+        with self._lock:
+            idle = [oid for oid, h in self._held.items() if h.idle_since is not None and now - h.idle_since >= linger]
+        for object_id in idle:
+            self._let_go(object_id)
+        return len(idle)
 
     def ref_pickled(self, desc: ObjectDescriptor) -> bytes:
         """A reference is leaving this process: pin its object until the receiver registers."""
@@ -244,8 +274,9 @@ class Holders:
     # ------------------------------------------------------------------ reaper
 
     def _reap_loop(self) -> None:
-        while not self._closed.wait(self._config().holder_check_interval_s):
+        while not self._closed.wait(min(self._config().holder_check_interval_s, self._config().hold_linger_s or 1.0)):
             try:
+                self.let_go_idle()
                 self.reap()
             except Exception:
                 logger.warning("holder check failed", exc_info=True)

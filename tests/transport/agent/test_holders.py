@@ -4,11 +4,13 @@ owner must never see this process release an object it references again."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
-from tensorwire.transport.agent.holders import Holders
+from tensorwire.transport.agent.holders import LINGER_MAX, Holders
 from tensorwire.transport.agent.wire import HolderOpKind
+from tensorwire.transport.config import Config
 from tensorwire.transport.contract import ObjectDescriptor, PeerInfo
 
 ME = PeerInfo(agent_id="me", node_id="n", machine_id="m", hostname="h", pid=1, start_time=1)
@@ -35,15 +37,25 @@ class _SlowForget:
         assert self.go.wait(30)
 
 
-def _holders() -> tuple[Holders, _Outbox, _SlowForget]:
-    outbox, transports = _Outbox(), _SlowForget()
+class _Forgets:
+    """Transports that note which objects they were told to forget."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[bytes] = []
+
+    def each(self, what, fn, level=None) -> None:
+        fn(SimpleNamespace(forget_object=self.forgotten.append))
+
+
+def _holders(linger_s: float = 0.0, transports=None) -> tuple[Holders, _Outbox, object]:
+    outbox, transports = _Outbox(), transports or _SlowForget()
     holders = Holders(
         lock=threading.RLock(),
         store=SimpleNamespace(owned=lambda desc: None),
         transports=transports,
         client=SimpleNamespace(outbox=lambda: outbox),
         peer=lambda: ME,
-        config=lambda: None,
+        config=lambda: Config(hold_linger_s=linger_s),
         closed=threading.Event(),
     )
     return holders, outbox, transports
@@ -65,3 +77,41 @@ def test_a_reference_back_while_the_last_one_closes_its_mappings_keeps_the_hold(
     assert holders.holds(DESC.object_id)
     holders.ref_detached(DESC)
     assert outbox.sent[-1] == (HolderOpKind.RELEASE, b"") and not holders.holds(DESC.object_id)
+
+
+def test_a_reference_received_anew_within_the_linger_takes_the_hold_over():
+    """A consumer that gets a new reference to the same object in every message: while the
+    last one lingers, the next takes its hold (no RELEASE then REGISTER at the owner, the
+    transports keep their state of the object); an idle hold goes after the linger."""
+    holders, outbox, transports = _holders(linger_s=5.0, transports=_Forgets())
+    holders.ref_attached(DESC)
+    for round_ in range(3):
+        holders.ref_detached(DESC)  # the message's reference is dropped...
+        assert not holders.holds(DESC.object_id)
+        holders.ref_attached(DESC, b"pin%d" % round_)  # ...and the next message brings a new one
+    assert outbox.sent == [(HolderOpKind.REGISTER, b"")] + [(HolderOpKind.UNPIN, b"pin%d" % r) for r in range(3)]
+    assert transports.forgotten == []
+    holders.ref_detached(DESC)
+    assert holders.let_go_idle() == 0  # not idle long enough
+    assert holders.let_go_idle(now=time.monotonic() + 5.0) == 1
+    assert outbox.sent[-1] == (HolderOpKind.RELEASE, b"") and transports.forgotten == [DESC.object_id]
+
+
+def test_without_a_linger_the_last_reference_lets_go_at_once():
+    holders, outbox, transports = _holders(linger_s=0.0, transports=_Forgets())
+    holders.ref_attached(DESC)
+    holders.ref_detached(DESC)
+    assert outbox.sent == [(HolderOpKind.REGISTER, b""), (HolderOpKind.RELEASE, b"")]
+    assert transports.forgotten == [DESC.object_id]
+
+
+def test_at_most_linger_max_idle_holds_are_kept_the_oldest_goes_first():
+    holders, outbox, _transports = _holders(linger_s=60.0, transports=_Forgets())
+    descs = [replace(DESC, object_id=bytes([i]) * 16) for i in range(LINGER_MAX + 2)]
+    for desc in descs:
+        holders.ref_attached(desc)
+        holders.ref_detached(desc)
+    released = [kind for kind, _pin in outbox.sent if kind is HolderOpKind.RELEASE]
+    assert len(released) == 2 and holders.counts()[0] == LINGER_MAX
+    holders.ref_attached(descs[0])  # the oldest was let go: a new reference registers again
+    assert outbox.sent[-1] == (HolderOpKind.REGISTER, b"")
