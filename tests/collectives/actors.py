@@ -189,6 +189,9 @@ class Holder:
     def fail_at(self, role: str, k: int) -> None:
         fail_at(role, k)
 
+    def no_faults(self) -> None:
+        tw.collective.set_fault_point(None)
+
     def fail_once_a_receiver_wrote(self, k: int, flag: str) -> None:
         fail_once_a_receiver_wrote(k, flag)
 
@@ -229,6 +232,10 @@ class Holder:
                 return False
             time.sleep(0.01)
         return True
+
+    def change_one(self, name: str, value: float) -> None:
+        """Change one weight in place (the others stay as they are)."""
+        self.weights[name].fill_(value)
 
     def reshape_first(self) -> None:
         """Break the layout the sync was made with."""

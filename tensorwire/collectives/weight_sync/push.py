@@ -38,7 +38,7 @@ from tensorwire.errors import TrainerLost
 from tensorwire.runtime.ray import calls
 from tensorwire.runtime.ray.hooks import call_hook, call_hook_concurrently
 
-__all__ = ["Prepared", "PushingSync", "abandon", "run_try"]
+__all__ = ["Prepared", "PushingSync", "abandon", "prepared_for", "run_try"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def run_try(
     """
     if have is None:
         sync.state.first_try()  # (in place, it votes)
-    prepared = _prepared(sync, live, have, catch_up, only)
+    prepared = prepared_for(sync, live, have, catch_up, only)
     m = len(sync.trainers)
     running = _start(sync, live, version, prepared, rehearsal=rehearsal)
     members = {ref: sync.trainer_name(i) for i, ref in enumerate(running.trainers)}
@@ -141,7 +141,7 @@ def run_try(
     return report
 
 
-def _prepared(
+def prepared_for(
     sync: PushingSync, live: tuple[int, ...], have: Mapping[int, Arrived] | None, catch_up: bool, only: Subset | None
 ) -> Prepared:
     """Each member's spec for this try (kept between pushes over the same receivers and subset;

@@ -20,6 +20,7 @@ def checked_settings(
     atomic: bool,
     publish: str,
     load: str | None,
+    skip_unchanged: bool,
     on_commit: object,
     transport: str,
     timeout_s: float,
@@ -42,6 +43,11 @@ def checked_settings(
         raise ValueError(
             f"load={load!r}: expected the name of a receiver method, with aside='shadow' or 'host' and publish='copy' "
             "(versions are assembled aside and fed to it)"
+        )
+    if skip_unchanged and publish == "swap":
+        raise ValueError(
+            "skip_unchanged=True keeps what receivers hold for unchanged buckets: publish='swap' holds "
+            "the version before in its shadows; use publish='copy'"
         )
     swappable = aside == "shadow" and (commit == "all" or atomic)
     if publish not in ("copy", "swap") or (publish == "swap" and not swappable):

@@ -62,6 +62,7 @@ from tensorwire.collectives.weight_sync.recovery.stalls import PATIENCE_FLOOR_S
 from tensorwire.collectives.weight_sync.report.summary import SyncReport
 from tensorwire.collectives.weight_sync.settings import checked_settings
 from tensorwire.collectives.weight_sync.tries import push_version
+from tensorwire.collectives.weight_sync.unchanged import Record
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime.agent import agent as runtime_agent
 from tensorwire.runtime.ray import calls
@@ -131,6 +132,11 @@ class WeightSync:
             keeps). ``target`` then gives what the loader takes, in its names: tensors, meta
             tensors (no memory) or ``Sharded`` pieces (the loader gets each piece); their memory
             is never written. Late joiners are pushed from the trainers.
+        skip_unchanged: Before each whole push, the trainers checksum every bucket (one pass
+            over their bytes) and a bucket whose bytes are those of the last version every
+            receiver committed is not sent (:mod:`.unchanged`); its setup is then worked out
+            again each push. Not with ``publish="swap"``; receivers that write in place must
+            not change their tensors between pushes.
 
     Attributes:
         version: The last version pushed (or being pushed).
@@ -164,6 +170,7 @@ class WeightSync:
         prepare: bool = True,
         publish: str = "copy",
         load: str | None = None,
+        skip_unchanged: bool = False,
     ) -> None:
         trainers = (trainers,) if isinstance(trainers, ActorHandle) else tuple(trainers)
         check_actors([*trainers, *receivers], "WeightSync (trainers and receivers)")
@@ -176,6 +183,7 @@ class WeightSync:
             atomic=atomic,
             publish=publish,
             load=load,
+            skip_unchanged=skip_unchanged,
             on_commit=on_commit,
             transport=transport,
             timeout_s=timeout_s,
@@ -191,6 +199,7 @@ class WeightSync:
         self.fence = fence
         self.commit = commit
         self.aside, self.publish, self.load = aside, publish, load
+        self.skip_unchanged = skip_unchanged
         self.on_commit = on_commit
         self.transform = transform
         self.progress = sys.stderr.isatty() if progress is None else progress
@@ -214,6 +223,7 @@ class WeightSync:
         self._pushes = 0
         self._closed = False
         self.in_flight: PushHandle | None = None  # the last push_async's handle
+        self.committed_buckets: Record | None = None  # skip_unchanged: the last version all committed
         self.overlapped = False  # a push_async runs: trainers serve beside their own calls
 
     def _add_first_receivers(self, receivers: Sequence[ActorHandle], *, prepare: bool) -> None:

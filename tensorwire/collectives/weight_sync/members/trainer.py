@@ -30,7 +30,7 @@ from tensorwire.runtime.agent import agent as runtime_agent
 from tensorwire.runtime.ray.hooks import actor_hook
 from tensorwire.transport.agent.wire import peer_from_bytes
 
-__all__ = ["send"]
+__all__ = ["bucket_checksums", "send"]
 
 
 @actor_hook
@@ -62,12 +62,29 @@ def _progress_reporter(spec: PushSpec) -> Callable[[int, int], None]:
     return report
 
 
+@actor_hook
+def bucket_checksums(actor: object, spec: PushSpec | bytes, version: int) -> dict[tuple[int, int], int]:
+    """Hook, trainer: the checksum of every bucket it would serve in this push, by (stream,
+    bucket level), of its bytes on the wire (``skip_unchanged``: one pass over them)."""
+    spec = load_spec(spec, version, None)
+    tensors = _tensors(actor, spec)
+    return {
+        (role.stream, k): checksum([as_wire(p) for p in _pieces(tensors, spec, bucket)])
+        for role in spec.roles
+        for k, bucket in enumerate(role.buckets)
+    }
+
+
+def _tensors(actor: object, spec: PushSpec) -> list[torch.Tensor]:
+    """What this push serves: the copy ``push_async`` took when it started, else the tensors."""
+    tensors = snapshot.taken(spec)
+    return member_tensors(actor, spec, "source") if tensors is None else tensors
+
+
 def _serve(actor: object, spec: PushSpec, fanouts: dict[int, Fanout]) -> float:
     """Offer every bucket of every stream, level by level; returns the seconds spent on checksums."""
     checksum_s = 0.0
-    tensors = snapshot.taken(spec)  # push_async: the copy taken when the push started
-    if tensors is None:
-        tensors = member_tensors(actor, spec, "source")
+    tensors = _tensors(actor, spec)
     at_fault_point("trainer", -1)
     for k in range(max((len(r.buckets) for r in spec.roles), default=0)):
         for role in spec.roles:
