@@ -41,6 +41,10 @@ class Trainer:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
+    def weights_of(self, names: list[str]) -> dict[str, torch.Tensor]:
+        state = self.model.state_dict()
+        return {n: state[n].clone() for n in names}
+
 
 @tw.remote(num_cpus=0)
 class Engine:
@@ -127,3 +131,32 @@ class ExpertEngine:
     def holds(self, version: int) -> bool:
         """Whether every slot holds its expert as of ``version``."""
         return torch.equal(self.slots, global_experts(version)[self.experts])
+
+
+@tw.remote(num_cpus=0)
+class HalfEngine:
+    """Tensor-parallel rank ``rank`` of 2 whose loader takes pieces: rows ``rank`` half of each
+    projection (declared as ``Sharded`` meta tensors), loaded into its own buffers."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.rows = {n: torch.zeros(DIM // 2, DIM) for n in ("q.weight", "k.weight", "v.weight", "o.weight")}
+        self.fed: list[tuple[str, tuple[int, ...]]] = []
+
+    def checkpoint_layout(self) -> dict:
+        piece = (DIM // 2, DIM)
+        return {
+            n: tw.collective.Sharded.of(torch.empty(piece, device="meta"), [tw.collective.Shard(0)], (2,), (self.rank,))
+            for n in self.rows
+        }
+
+    def load_weights(self, weights) -> None:
+        for name, tensor in weights:
+            self.fed.append((name, tuple(tensor.shape)))
+            self.rows[name].copy_(tensor)
+
+    def pieces(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.rows.items()}
+
+    def fed_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return list(self.fed)

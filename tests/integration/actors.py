@@ -125,8 +125,8 @@ class Consumer:
     def fetch_error(self, value_holder) -> str:
         try:
             tw.get(value_holder["ref"], timeout_s=20)
-        except tw.TensorwireError as e:
-            return type(e).__name__
+        except tw.TensorwireError as e:  # the class of tw's hierarchy it is (a Ray-flavoured subclass: its base)
+            return next(c.__name__ for c in type(e).__mro__ if c.__module__ == "tensorwire.errors")
         return "ok"
 
     def pid(self) -> int:

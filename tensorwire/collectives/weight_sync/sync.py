@@ -190,22 +190,14 @@ class WeightSync:
             stall_s=stall_s,
         )
         self.trainers = trainers
-        self.source = source
-        self.target = target or source
-        self.bucket_bytes = bucket_bytes
+        self.source, self.target = source, target or source
+        self.bucket_bytes, self.verify, self.atomic, self.fence = bucket_bytes, verify, atomic, fence
         self.transport = "" if transport == "auto" else transport
-        self.verify = verify
-        self.atomic = atomic
-        self.fence = fence
-        self.commit = commit
+        self.commit, self.skip_unchanged = commit, skip_unchanged
         self.aside, self.publish, self.load = aside, publish, load
-        self.skip_unchanged = skip_unchanged
-        self.on_commit = on_commit
-        self.transform = transform
+        self.on_commit, self.transform = on_commit, transform
         self.progress = sys.stderr.isatty() if progress is None else progress
-        self.name = name
-        self.timeout_s = timeout_s
-        self.stall_s = stall_s
+        self.name, self.timeout_s, self.stall_s = name, timeout_s, stall_s
         self._start_empty()
         self._describe_trainers(NameMap.build(rename, fuse, scales))
         self._add_first_receivers(receivers, prepare=prepare)

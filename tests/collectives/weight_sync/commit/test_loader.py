@@ -69,3 +69,25 @@ def test_a_missing_loader_fails_every_receiver_before_any_loads(ray_local):
         assert ray.get([e.loads_seen.remote() for e in engines], timeout=60) == [[], []]
     finally:
         sync.close()
+
+
+def test_a_sharded_engine_is_fed_its_declared_pieces(ray_local):
+    """Each tensor-parallel rank declares its rows of each projection; its loader gets exactly
+    those pieces, in the trainer's names."""
+    from tests.collectives.engine_actors import HalfEngine
+
+    trainer, engines = Trainer.remote(4), [HalfEngine.remote(rank) for rank in range(2)]
+    sync = tw.WeightSync(
+        trainer, engines, source="model", target="checkpoint_layout", load="load_weights", progress=False
+    )
+    try:
+        report = sync.push()
+        assert report.ok and report.moved_nbytes == 4 * DIM * DIM * 4  # each rank its half of 4 projections
+        full = ray.get(trainer.weights_of.remote(["q.weight", "k.weight", "v.weight", "o.weight"]), timeout=60)
+        for rank, pieces in enumerate(ray.get([e.pieces.remote() for e in engines], timeout=60)):
+            half = slice(rank * DIM // 2, (rank + 1) * DIM // 2)
+            assert all(torch.equal(pieces[n], full[n][half]) for n in full)
+        fed = ray.get(engines[0].fed_shapes.remote(), timeout=60)
+        assert sorted(fed) == sorted((n, (DIM // 2, DIM)) for n in full)
+    finally:
+        sync.close()
