@@ -33,7 +33,7 @@ from tensorwire.collectives.weight_sync.planning.layout import ParamPiece
 from tensorwire.collectives.weight_sync.report.summary import SyncReport
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime.ray import calls
-from tensorwire.runtime.ray.hooks import call_hook_concurrently
+from tensorwire.runtime.ray.hooks import call_hook, call_hook_concurrently
 
 __all__ = ["PushHandle", "start"]
 
@@ -110,7 +110,8 @@ def start(sync: Overlapping, push: Callable[[], SyncReport], *, snapshot: bool) 
     """
     version = sync.version + 1
     began = time.perf_counter()
-    nbytes = _take(sync, version) if snapshot else 0
+    trainers = tuple(sync.trainers)  # (a failover may drop one: its copy is let go too)
+    nbytes = _take(sync, trainers, version) if snapshot else 0
     future: concurrent.futures.Future[SyncReport] = concurrent.futures.Future()
     handle = PushHandle(version, nbytes, time.perf_counter() - began, future)
 
@@ -123,7 +124,7 @@ def start(sync: Overlapping, push: Callable[[], SyncReport], *, snapshot: bool) 
         sync.overlapped = False  # (before the handle is done: a next push may start then)
         if snapshot:
             try:
-                _drop(sync, version)
+                _drop(sync, trainers, version)
             except Exception:  # noqa: BLE001 - a copy left behind is replaced by the next one
                 logger.warning("weight sync %s: the trainers' copies of v%d were not dropped", sync.name, version)
         if error is None:
@@ -135,31 +136,36 @@ def start(sync: Overlapping, push: Callable[[], SyncReport], *, snapshot: bool) 
     return handle
 
 
-def _take(sync: Overlapping, version: int) -> int:
-    """Every trainer copies its synced tensors for ``version``; the bytes copied. A trainer that
-    died is passed over (the push leaves it out and fails over, or fails)."""
+def _take(sync: Overlapping, trainers: tuple[Any, ...], version: int) -> int:
+    """Every trainer copies its synced tensors for ``version``, after the calls queued on it
+    before (a training step started just before ``push_async`` ends first); the bytes copied.
+    A trainer that died is passed over (the push leaves it out and fails over, or fails)."""
     refs = [
-        call_hook_concurrently(t, snapshot.take, sync.sync_id, version, sync.source, layout)
-        for t, layout in zip(sync.trainers, sync.trainer_layouts, strict=True)
+        call_hook(t, snapshot.take, sync.sync_id, version, sync.source, layout)
+        for t, layout in zip(trainers, sync.trainer_layouts, strict=True)
     ]
-    total = 0
+    _done, late = calls.wait_all(refs, timeout_s=sync.timeout_s)  # one deadline for all
+    total, failure = 0, ""
     for position, ref in enumerate(refs):
-        outcome = calls.settle(ref, timeout_s=sync.timeout_s)
+        if any(ref is call for call in late):
+            failure = failure or f"trainer {position} did not copy its tensors within {sync.timeout_s:g} s"
+            continue
+        outcome = calls.settle(ref, timeout_s=1.0)
         if outcome.failure is calls.CallFailure.ACTOR_DIED:
             continue
         if not outcome.ok:
-            _drop(sync, version)
-            raise TensorwireError(
-                f"weight sync {sync.name}: trainer {position} could not copy its tensors for push v{version}: "
-                f"{outcome.reason}"
-            )
+            failure = failure or f"trainer {position} could not copy its tensors: {outcome.reason}"
+            continue
         total += outcome.value[0]
+    if failure:
+        _drop(sync, trainers, version)
+        raise TensorwireError(f"weight sync {sync.name}, push v{version}: {failure}")
     return total
 
 
-def _drop(sync: Overlapping, version: int) -> None:
+def _drop(sync: Overlapping, trainers: tuple[Any, ...], version: int) -> None:
     """The trainers let go of their copies (dead or late ones are passed over)."""
-    refs = [call_hook_concurrently(t, snapshot.drop, sync.sync_id, version) for t in sync.trainers]
+    refs = [call_hook_concurrently(t, snapshot.drop, sync.sync_id, version) for t in trainers]
     done, late = calls.wait_all(refs, timeout_s=min(sync.timeout_s, 30.0))
     for ref in done:
         calls.settle(ref, timeout_s=1.0)

@@ -465,8 +465,14 @@ class WeightSync:
         if self._closed:
             return
         if self.in_flight is not None and not self.in_flight.done():
-            with contextlib.suppress(Exception):  # its error is the handle's to raise
+            with contextlib.suppress(TimeoutError, TensorwireError, RuntimeError):  # the handle raises its error
                 self.in_flight.result(timeout_s=timeout_s)
+            if not self.in_flight.done():  # its members still use what close would free
+                version = self.in_flight.version
+                raise TimeoutError(
+                    f"weight sync {self.name}: push v{version} is still in flight after {timeout_s:g} s; close "
+                    "again once it ended (handle.result())"
+                )
         self._closed = True
         refs = [call_hook(a, release_hook, self.sync_id) for a in (*self.trainers, *self.receiver_actors.values())]
         # One deadline for all (bounded whatever the number of actors); late ones are named.

@@ -52,7 +52,11 @@ def push_version(sync: Pushing, only: Subset | None = None) -> SyncReport:
         sync.state.finish(committed=False)
         raise refused
     record, sync.committed_buckets = sync.committed_buckets, None  # (kept again only if every receiver commits)
-    skipped, sums, key = _unchanged(sync, version, only, record)
+    try:
+        skipped, sums, key = _unchanged(sync, version, only, record)
+    except BaseException:
+        sync.state.finish(committed=False)
+        raise
     have = skipped
     while True:
         live = sync.live_receivers()

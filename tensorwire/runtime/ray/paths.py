@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensorwire.errors import TransferTimeoutError
+from tensorwire.errors import OwnerDiedError, TransferTimeoutError
 from tensorwire.transport.config import validate_timeout
 
 __all__ = ["get_direct", "object_store_value", "wait_calls"]
@@ -98,12 +98,14 @@ def _ray_get(object_ref: Any, timeout_s: float | None, *, direct: bool) -> Any:
         raise TransferTimeoutError(f"the Ray call has not finished within {timeout_s} s") from None
     except ray.exceptions.ObjectFetchTimedOutError as e:
         raise TransferTimeoutError(f"Ray gave up reading the value: {e}") from e
-    except ray.exceptions.RayActorError as e:
+    except ray.exceptions.ActorDiedError as e:
         from tensorwire.runtime.ray.errors import ProducerDiedError
 
         raise ProducerDiedError(
             f"the actor that was producing this value died before returning it: {e}", e.actor_id
         ) from e
+    except ray.exceptions.RayActorError as e:  # (not known to have died: unavailable, for one)
+        raise OwnerDiedError(f"the actor producing this value cannot be reached: {e}") from e
 
 
 def wait_calls(object_refs: list[Any], *, num_returns: int, timeout_s: float | None) -> list[Any]:

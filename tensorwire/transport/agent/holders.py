@@ -3,7 +3,8 @@
 DESIGN.md section 5:
 
 * A process *holds* an object while it has at least one live reference to it, and for
-  ``Config.hold_linger_s`` after (at most :data:`LINGER_MAX` such idle holds): a reference to it
+  ``Config.hold_linger_s`` after (at most :data:`LINGER_MAX` such idle holds, of objects of
+  :data:`LINGER_MAX_NBYTES` in all; a larger object is let go at once): a reference to it
   received anew meanwhile takes the hold over, with no new ``REGISTER`` and the transports'
   state of the object kept (the reaper lets idle holds go). Holders tell
   the owner with batched, asynchronous ``REGISTER``/``RELEASE`` operations sent in order by
@@ -24,6 +25,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,12 +39,13 @@ from tensorwire.transport.config import Config
 from tensorwire.transport.contract import ObjectDescriptor, PeerInfo
 from tensorwire.transport.hw import topology
 
-__all__ = ["LINGER_MAX", "Holders"]
+__all__ = ["LINGER_MAX", "LINGER_MAX_NBYTES", "Holders"]
 
 logger = logging.getLogger(__name__)
 
 _HOLDER_KINDS = frozenset(int(k) for k in HolderOpKind)
 LINGER_MAX = 64  # idle holds kept at once (the oldest goes first)
+LINGER_MAX_NBYTES = 256 << 20  # the idle holds' objects' bytes in all
 
 
 @dataclass
@@ -92,6 +95,8 @@ class Holders:
         self._holder_seen: dict[str, float] = {}
         self._holder_seq: dict[str, int] = {}  # sender -> number of its last batch applied
         self._held: dict[bytes, _Held] = {}
+        self._idle: OrderedDict[bytes, int] = OrderedDict()  # idle holds, oldest first -> their bytes
+        self._idle_nbytes = 0
         self._outbox = client.outbox()
         self._reaper = threading.Thread(target=self._reap_loop, name="tensorwire-reaper", daemon=True)
 
@@ -135,7 +140,9 @@ class Holders:
             if first:
                 held = self._held[desc.object_id] = _Held(desc.owner, desc.token)
             held.count += 1
-            held.idle_since = None  # (a lingering hold taken over)
+            if held.idle_since is not None:  # a lingering hold taken over
+                held.idle_since = None
+                self._idle_nbytes -= self._idle.pop(desc.object_id, 0)
         kind = HolderOpKind.REGISTER if first else HolderOpKind.UNPIN
         if first or pin_id:
             self._send(desc.owner, kind, desc.object_id, desc.token, pin_id)
@@ -159,14 +166,24 @@ class Holders:
             held.count -= 1
             if held.count > 0:
                 return
-            if self._config().hold_linger_s > 0:
+            nbytes = desc.nbytes
+            if self._config().hold_linger_s > 0 and nbytes <= LINGER_MAX_NBYTES:
                 held.idle_since = time.monotonic()
-                idle = sorted((h.idle_since, oid) for oid, h in self._held.items() if h.idle_since is not None)
-                overflow = [oid for _since, oid in idle[: max(0, len(idle) - LINGER_MAX)]]
+                self._idle[desc.object_id] = nbytes
+                self._idle_nbytes += nbytes
+                overflow = []
+                while len(self._idle) > LINGER_MAX or self._idle_nbytes > LINGER_MAX_NBYTES:
+                    oldest, _nbytes = next(iter(self._idle.items()))
+                    self._unidle(oldest)
+                    overflow.append(oldest)
             else:
                 overflow = [desc.object_id]
         for object_id in overflow:
             self._let_go(object_id)
+
+    def _unidle(self, object_id: bytes) -> None:
+        """Take ``object_id`` off the idle holds (under the lock)."""
+        self._idle_nbytes -= self._idle.pop(object_id, 0)
 
     def _let_go(self, object_id: bytes) -> None:
         """Release the idle hold of ``object_id`` (no reference left): the transports forget
@@ -177,6 +194,7 @@ class Holders:
             held = self._held.get(object_id)
             if held is None or held.count > 0:
                 return  # a reference came back meanwhile: this process still holds, no RELEASE
+            self._unidle(object_id)
             del self._held[object_id]
             # queued under the lock: a REGISTER of a reference that comes back later follows it
             self._send(held.owner, HolderOpKind.RELEASE, object_id, held.token)
@@ -187,7 +205,12 @@ class Holders:
         now = time.monotonic() if now is None else now
         linger = self._config().hold_linger_s
         with self._lock:
-            idle = [oid for oid, h in self._held.items() if h.idle_since is not None and now - h.idle_since >= linger]
+            idle = []
+            for object_id in self._idle:  # oldest first
+                held = self._held.get(object_id)
+                if held is not None and held.idle_since is not None and now - held.idle_since < linger:
+                    break
+                idle.append(object_id)
         for object_id in idle:
             self._let_go(object_id)
         return len(idle)
@@ -274,12 +297,17 @@ class Holders:
     # ------------------------------------------------------------------ reaper
 
     def _reap_loop(self) -> None:
-        while not self._closed.wait(min(self._config().holder_check_interval_s, self._config().hold_linger_s or 1.0)):
+        while not self._closed.wait(self._tick_s()):
             try:
                 self.let_go_idle()
                 self.reap()
             except Exception:
                 logger.warning("holder check failed", exc_info=True)
+
+    def _tick_s(self) -> float:
+        """The reaper's period: the holder check's, shorter when holds linger less (50 ms floor)."""
+        config = self._config()
+        return max(0.05, min(config.holder_check_interval_s, config.hold_linger_s or config.holder_check_interval_s))
 
     def reap(self) -> None:
         """Owner: drop expired pins and the holds of holders that exited or stopped answering."""

@@ -115,3 +115,26 @@ def test_at_most_linger_max_idle_holds_are_kept_the_oldest_goes_first():
     assert len(released) == 2 and holders.counts()[0] == LINGER_MAX
     holders.ref_attached(descs[0])  # the oldest was let go: a new reference registers again
     assert outbox.sent[-1] == (HolderOpKind.REGISTER, b"")
+
+
+def test_a_large_object_is_let_go_at_once_and_idle_bytes_are_capped():
+    """Lingering must not keep much memory at the owners: an object of more than
+    LINGER_MAX_NBYTES is released at its last reference, and the idle holds' bytes stay under it."""
+    from tensorwire.transport.agent.holders import LINGER_MAX_NBYTES
+    from tensorwire.transport.metadata import TensorMeta
+
+    def sized(i: int, nbytes: int) -> ObjectDescriptor:
+        meta = TensorMeta((nbytes,), "uint8", "cpu", nbytes, 0)
+        return replace(DESC, object_id=bytes([i]) * 16, metas=(meta,))
+
+    holders, outbox, _transports = _holders(linger_s=60.0, transports=_Forgets())
+    big = sized(1, LINGER_MAX_NBYTES + 1)
+    holders.ref_attached(big)
+    holders.ref_detached(big)
+    assert outbox.sent[-1] == (HolderOpKind.RELEASE, b"")
+    half = LINGER_MAX_NBYTES // 2 + 1  # two of these are over the cap together
+    for i in (2, 3):
+        holders.ref_attached(sized(i, half))
+        holders.ref_detached(sized(i, half))
+    assert [kind for kind, _ in outbox.sent].count(HolderOpKind.RELEASE) == 2  # the big one, then the older half
+    assert holders.counts()[0] == 1

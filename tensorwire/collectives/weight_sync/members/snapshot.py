@@ -40,6 +40,8 @@ def take(
     tensors = checked_tensors(actor, where, layout_key(layout), "source")
     with torch.no_grad():
         copies = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+    for device in {c.device for c in copies if c.is_cuda}:  # copied before the optimizer may write
+        torch.cuda.current_stream(device).synchronize()
     with _lock:
         _copies[sync_id] = (version, copies)
     return sum(c.numel() * c.element_size() for c in copies), time.perf_counter() - start

@@ -236,7 +236,8 @@ class Sharded:
         """``tensor`` holds, in slot ``s`` along dim 0, global expert ``experts[s]`` of a
         parameter of ``num_experts`` experts (an inference engine's expert map: any order, an
         expert on several ranks; :mod:`.experts`)."""
-        return cls(tensor, (num_experts, *tuple(tensor.shape)[1:]), (0,) * tensor.dim(), rows=tuple(experts))
+        rows = tuple(int(e) for e in experts)
+        return cls(tensor, (num_experts, *tuple(tensor.shape)[1:]), (0,) * tensor.dim(), rows=rows)
 
     @classmethod
     def at(cls, tensor: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int]) -> Sharded:
@@ -301,6 +302,11 @@ def describe_value(
     for name, given in value.items():
         item = _from_dtensor(given) if _is_dtensor(given) else given
         if isinstance(item, Sharded) and item.rows is not None:
+            if role == "source":
+                raise ValueError(
+                    f"source {name!r}: an expert map describes where a receiver places experts; describe a trainer's "
+                    "experts by the block it holds (Sharded.at / Sharded.of)"
+                )
             local = item.tensor
             if not isinstance(local, torch.Tensor):
                 raise TypeError(f"{role} {name!r}: Sharded holds {type(local).__name__}, not a tensor")

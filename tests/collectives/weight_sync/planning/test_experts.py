@@ -71,3 +71,12 @@ def test_a_push_places_permuted_and_redundant_experts_exactly(ray_local):
             ray.get([t.step.remote() for t in trainers], timeout=60)
     finally:
         sync.close()
+
+
+def test_a_trainer_cannot_describe_its_experts_by_a_map():
+    """An expert map places experts in a receiver; a trainer's map would be planned as the block
+    at offset 0 (wrong bytes), so it is refused."""
+    described = tw.collective.Sharded.experts(torch.zeros(3, *HIDDEN), torch.tensor([5, 2, 7]), EXPERTS)
+    assert described.rows == (5, 2, 7) and all(type(e) is int for e in described.rows)  # (a tensor of ids too)
+    with pytest.raises(ValueError, match="describe a trainer's experts by the block it holds"):
+        describe_value({"experts": described}, "source")
