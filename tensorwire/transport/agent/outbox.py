@@ -7,9 +7,7 @@ its way at a time, and what arrives meanwhile waits for its answer: order per ow
 that gets no answer (deadline, connection lost or cancelled) is sent again under its number
 after a growing pause, while other owners' batches go on; the owner applies each number once,
 so a late first call and its retry count once. Any other error gives the batch up. A fetch
-never waits for these messages, and a new batch waits :data:`COALESCE_S` for the operations that
-follow it (a consumer that gets a new reference in every message sends one batch per window,
-not a call per reference, so the calls do not compete with its fetches for the cores).
+never waits for these messages.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ __all__ = ["Outbox"]
 logger = logging.getLogger(__name__)
 
 _MAX_PAUSE_S = 2.0  # longest pause between two tries of one batch
-COALESCE_S = 0.02  # a new batch waits this long for the operations that follow it
 _WARN_SILENT_S = 30.0  # a batch unanswered this long is warned about (once per batch)
 _REFUSED_S = 5.0  # connections refused this long: nobody listens (a SIGKILLed agent leaves its socket)
 _NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
@@ -70,23 +67,11 @@ class _Lane:
     retry_at: float = 0.0
     first_sent: float = 0.0  # when this batch was first sent
     warned: bool = False
-    waiting_since: float = 0.0  # when the oldest waiting operation came
 
     def due(self, now: float) -> bool:
         if self.in_flight:
             return False
-        if self.batch:
-            return now >= self.retry_at
-        return bool(self.waiting) and now >= self.waiting_since + COALESCE_S
-
-    def next_due(self) -> float | None:
-        """When this lane is due next without anything new arriving (None: only on an answer
-        or a new operation)."""
-        if self.in_flight:
-            return None
-        if self.batch:
-            return self.retry_at
-        return self.waiting_since + COALESCE_S if self.waiting else None
+        return (bool(self.batch) and now >= self.retry_at) or (not self.batch and bool(self.waiting))
 
     def count(self) -> int:
         return len(self.batch) + len(self.waiting)
@@ -165,8 +150,6 @@ class Outbox:
                     stopping = True
                 elif isinstance(item, _Queued):
                     lane = self._lanes.setdefault(item.owner.agent_id, _Lane(item.owner))
-                    if not lane.waiting:
-                        lane.waiting_since = time.monotonic()
                     lane.waiting.append(item.op)
                 else:
                     self._guarded(item.agent_id, functools.partial(self._answered, item))
@@ -189,12 +172,11 @@ class Outbox:
                 self._drop(lane)
 
     def _next_items(self) -> list[_Queued | _Answer | None]:
-        """Block until something arrives or a lane is due (a retry, a batch done waiting), then take
-        the burst that came with it."""
+        """Block until something arrives or a retry is due, then take the burst that came with it."""
         now = time.monotonic()
-        due = [at for at in (lane.next_due() for lane in self._lanes.values()) if at is not None]
+        retries = [lane.retry_at for lane in self._lanes.values() if lane.batch and not lane.in_flight]
         try:
-            first = self._queue.get(timeout=max(0.0, min(due) - now) if due else None)
+            first = self._queue.get(timeout=max(0.0, min(retries) - now) if retries else None)
         except queue.Empty:
             return []
         items = [first]
