@@ -95,6 +95,20 @@ def die_at(role: str, k: int) -> None:
     tw.collective.set_fault_point(hook)
 
 
+def die_in_second_send() -> None:
+    """In a weight-sync trainer: SIGKILL this process when it starts serving a second time in
+    one push (a cover's send, beside the try's: :mod:`tensorwire.collectives.weight_sync.recovery.cover`)."""
+    starts = []
+
+    def hook(at_role: str, at_k: int) -> None:
+        if (at_role, at_k) == ("trainer", -1):
+            starts.append(at_k)
+            if len(starts) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    tw.collective.set_fault_point(hook)
+
+
 def stall_at(role: str, k: int) -> None:
     """In a weight-sync member: block (alive, sending nothing) once it has handled bucket level
     ``k`` of a push as ``role``, until the process is killed (at most ten minutes)."""
@@ -179,6 +193,9 @@ class Holder:
 
     def die_at(self, role: str, k: int) -> None:
         die_at(role, k)
+
+    def die_in_second_send(self) -> None:
+        die_in_second_send()
 
     def stop_at(self, role: str, k: int) -> None:
         stop_at(role, k)

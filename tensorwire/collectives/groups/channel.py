@@ -8,7 +8,7 @@ a member *publishes* tensors as an object of its agent and sends the others an
 is unpickled); they fetch it over the transport the selector picks for their pair (shm
 from one segment for every same-node member, cuda_ipc on one GPU, ucx/gloo across nodes).
 
-Every wait has a deadline and looks every 50 ms (:data:`MEMBER_ALIVE_CHECK_EVERY_S`: a look at ``/proc``)
+Every wait has a deadline and looks every 20 ms (:data:`MEMBER_ALIVE_CHECK_EVERY_S`: a look at ``/proc``)
 whether the member it waits for still runs, so a dead member fails the wait at once on one
 machine (by the deadline on another machine).
 """
@@ -34,7 +34,7 @@ from tensorwire.transport.waiting import wait_until
 __all__ = ["MEMBER_ALIVE_CHECK_EVERY_S", "Channel", "Fetched", "Member", "describe_self", "member_from"]
 
 
-MEMBER_ALIVE_CHECK_EVERY_S = 0.05  # how often a member's wait looks whether the member it waits for still runs
+MEMBER_ALIVE_CHECK_EVERY_S = 0.02  # how often a member's wait looks whether the member it waits for still runs
 
 
 class Fetched(NamedTuple):

@@ -12,13 +12,17 @@
 4. **collect**: the receivers' results into the :class:`.report.summary.SyncReport` (failures by
    kind), then the trainers': a trainer that died or stalled raises ``TrainerLost`` (the caller
    fails over, :mod:`.recovery.failover`), one that failed raises its error.
+
+In an all-or-none push assembled aside, the first trainer lost while the try runs is covered
+(:mod:`.recovery.cover`): the others serve its share beside the try, which then commits; the
+report names it in ``replaced`` and the caller drops it from the sync.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from tensorwire.collectives.weight_sync.commit.push_wait import PushWait
@@ -31,10 +35,12 @@ from tensorwire.collectives.weight_sync.planning.subsets import Subset
 from tensorwire.collectives.weight_sync.protocol.assign import SyncSettings, member_specs
 from tensorwire.collectives.weight_sync.protocol.messages import ReceiverFailure
 from tensorwire.collectives.weight_sync.protocol.spec import ReceiveResult, Role
+from tensorwire.collectives.weight_sync.recovery import cover
 from tensorwire.collectives.weight_sync.recovery.failover import two_sources
 from tensorwire.collectives.weight_sync.report.summary import SyncReport
-from tensorwire.collectives.weight_sync.report.telemetry import pairs_of, record
+from tensorwire.collectives.weight_sync.report.telemetry import merged_pairs, pairs_of, record
 from tensorwire.errors import TrainerLost
+from tensorwire.runtime.agent import agent as runtime_agent
 from tensorwire.runtime.ray import calls
 from tensorwire.runtime.ray.hooks import call_hook, call_hook_concurrently
 
@@ -110,6 +116,8 @@ def run_try(
     members.update({ref: f"receiver {rid}" for rid, ref in running.receivers.items()})
     trainer_roles = [role for rank in range(m) for role in prepared.roles[rank]]
     waiting = PushWait(version, prepared.buckets, sync.plan.nbytes, progress=sync.progress, timeout_s=sync.timeout_s)
+    covers: list[cover.Cover] = []
+    coverable = running.vote is not None and not prepared.in_place and m > 1
     try:
         waited = waiting.wait(
             members,
@@ -118,10 +126,13 @@ def run_try(
             vote=running.vote,
             trainers=running.trainers,
             stopped=sync.trainer_stopped,
+            cover=_cover_starter(sync, live, version, have, only, covers=covers) if coverable else None,
         )
     finally:
         if prepared.in_place and running.vote is not None and running.vote.committed:
             sync.state.promise()  # the receivers write it: from here on, only forward
+        for started in covers:
+            runtime_agent().rendezvous_forget(started.channel)
     report = SyncReport(version, sync.nbytes, prepared.buckets, time.perf_counter() - running.start, 0.0, 0.0, 0.0, 0.0)
     _collect_receivers(sync, report, running.receivers, only)
     names = {i: sync.trainer_name(i) for i in range(m)} | {m + i: f"receiver {r}" for i, r in enumerate(live)}
@@ -135,10 +146,85 @@ def run_try(
         raise _trainer_lost(sync, report, i, why)
     wrote_all = all(r in report.receivers or r in sync.state.dead for r in live)
     committed = wrote_all if prepared.in_place else running.vote is not None and running.vote.committed
-    _collect_trainers(sync, report, running, waited.unfinished, committed=committed, failed=failed, names=names)
+    for i, why in waited.covered.items():
+        if not committed:  # the cover did not complete it: fail over between two tries
+            _telemetry(sync, report, names, running.started, [*failed, sync.trainer_name(i)])
+            raise _trainer_lost(sync, report, i, why.removeprefix(f"{members[running.trainers[i]]} "))
+        failed.append(sync.trainer_name(i))
+        report.replaced[sync.trainer_name(i)] = why
+    _collect_trainers(
+        sync,
+        report,
+        running,
+        waited.unfinished,
+        committed=committed,
+        failed=failed,
+        names=names,
+        covered=waited.covered,
+    )
     if not rehearsal:
         _telemetry(sync, report, names, running.started, failed, retry=have is not None)
+    for started in covers:
+        _collect_cover(sync, report, started, live, running.started)
     return report
+
+
+def _cover_starter(
+    sync: PushingSync,
+    live: tuple[int, ...],
+    version: int,
+    have: Mapping[int, Arrived] | None,
+    only: Subset | None,
+    *,
+    covers: list[cover.Cover],
+) -> Callable[[int, str], dict[Any, str] | None]:
+    """``start(rank, why)``: the cover of trainer ``rank`` (:func:`.recovery.cover.start`),
+    kept in ``covers``; its calls, or None when there is none."""
+
+    def start(rank: int, why: str) -> dict[Any, str] | None:
+        started = cover.start(
+            sync,
+            live,
+            version,
+            rank,
+            why,
+            actors=sync.receiver_actors,
+            channel=sync.next_channel(),
+            have=have,
+            only=only,
+        )
+        if started is None:
+            return None
+        covers.append(started)
+        return started.calls
+
+    return start
+
+
+def _collect_cover(
+    sync: PushingSync, report: SyncReport, started: cover.Cover, live: tuple[int, ...], began: float
+) -> None:
+    """What a cover moved, into ``report`` (after the try committed with it): its bytes, the
+    trainers' staging and its pairs (each bucket a retry)."""
+    m = len(started.survivors)
+    names = {j: sync.trainer_name(position) for j, position in enumerate(started.survivors)}
+    names.update({m + i: f"receiver {r}" for i, r in enumerate(live)})
+    results: dict[int, ReceiveResult] = {}
+    for ref in started.calls:
+        outcome = calls.settle(ref, timeout_s=sync.timeout_s)
+        if not outcome.ok:
+            continue
+        if isinstance(outcome.value, ReceiveResult):
+            results[live[outcome.value.rank - m]] = outcome.value
+            report.moved_nbytes += outcome.value.nbytes
+            report.covered_nbytes += outcome.value.nbytes
+        else:
+            report.peak_staging_nbytes = max(report.peak_staging_nbytes, outcome.value.peak_nbytes)
+            report.in_place_nbytes += outcome.value.in_place_nbytes
+    pairs, timeline = pairs_of(results, names, began, retry=True)
+    report.pairs = merged_pairs(report.pairs, pairs)
+    report.timeline = sorted([*report.timeline, *timeline], key=lambda s: (s.source, s.destination, s.start_s))
+    record(sync.name, pairs)
 
 
 def prepared_for(
@@ -222,12 +308,16 @@ def _collect_trainers(
     committed: bool,
     failed: list[str],
     names: dict[int, str],
+    covered: Mapping[int, str],
 ) -> None:
     """Each trainer's result into ``report``; a trainer lost before the receivers committed
     raises ``TrainerLost``, one that failed its own error (after the telemetry of the try).
-    One that died after they committed is only named, and one that stopped after every receiver
-    had its bytes (``unfinished``) is left running: the next push replaces them."""
+    One that died after they committed is only named, one that stopped after every receiver
+    had its bytes (``unfinished``) is left running: the next push replaces them; one a cover
+    replaced (``covered``) is left as it is."""
     for i, ref in enumerate(started.trainers):
+        if i in covered:
+            continue
         if any(ref is call for call in unfinished):
             logger.warning(
                 "weight sync %s: %s stopped after sending everything: left running", sync.name, sync.trainer_name(i)

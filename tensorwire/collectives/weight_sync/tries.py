@@ -1,6 +1,7 @@
 """A whole push, in the driver: a liveness look, then tries (:func:`.push.run_try`) until one
 completes, failing over between them (:mod:`.recovery.failover`) when a trainer was lost and
-the others hold its bytes; the version state moved along (:class:`.commit.state.PushState`).
+the others hold its bytes (or within the try, :mod:`.recovery.cover`: the trainer it replaced is
+dropped after it); the version state moved along (:class:`.commit.state.PushState`).
 :meth:`..sync.WeightSync.push` runs it in the caller's thread, ``push_async`` on one of its
 own (:mod:`.in_flight`).
 """
@@ -63,6 +64,8 @@ def push_version(sync: Pushing, only: Subset | None = None) -> SyncReport:
         try:
             try:
                 report = run_try(sync, live, version, have, only=only)
+                for name, why in list(report.replaced.items()):  # covered while the try ran
+                    failover.drop_covered(sync, name, why, replaced, lost)
                 break
             except TrainerLost as e:  # complete from the others if they can
                 refused = failover.fail_over(sync, e, replaced, lost)

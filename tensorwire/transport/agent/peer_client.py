@@ -110,7 +110,12 @@ class PeerClient:
             return False
         logger.debug("%s: connection dropped, retrying once", what)
         self._client.drop(self.address(peer))
-        time.sleep(0.05)
+        for _ in range(
+            5
+        ):  # a moment (50 ms), cut short by the peer's exit (a process dying drops its connections first)
+            time.sleep(0.01)
+            if not self.may_be_alive(peer):
+                return False
         return True
 
     def _ask(self, peer: PeerInfo, method: str, request: Any, reply_type: str, *, timeout_s: float) -> Any:

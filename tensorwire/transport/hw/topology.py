@@ -89,7 +89,21 @@ def process_alive(pid: int, start_time: int) -> bool:
     fields = _stat_fields(pid)
     if not fields or fields[0] in (b"Z", b"X"):
         return False  # exited, not yet reaped
+    if _exiting(fields):
+        return False  # killed, tearing down (tens of ms for a large process, its sockets still open)
     return _same_process(fields, start_time)
+
+
+_PF_EXITING = 0x4  # the kernel's flag of a task in do_exit
+
+
+def _exiting(fields: list[bytes]) -> bool:
+    """Whether the process (its main thread) is exiting: its memory is being torn down and it
+    will never run user code again."""
+    try:
+        return bool(int(fields[6]) & _PF_EXITING)  # field 9 of the whole line
+    except (IndexError, ValueError):
+        return False
 
 
 def process_stopped(pid: int, start_time: int) -> bool:

@@ -28,9 +28,9 @@ from tensorwire.runtime.agent import agent as runtime_agent
 from tensorwire.runtime.ray import calls
 from tensorwire.transport.agent.wire import peer_from_bytes
 
-__all__ = ["Vote", "abort_check", "ended_early", "first_failure", "vote"]
+__all__ = ["Vote", "abort_check", "any_abort_check", "ended_early", "first_failure", "vote"]
 
-_POLL_S = 0.05  # how long the driver waits for one message before it looks at the calls again
+_POLL_S = 0.02  # how long the driver waits for one message before it looks at the calls again
 
 
 def vote(spec: PushSpec) -> str | None:
@@ -72,6 +72,24 @@ def abort_check(spec: PushSpec) -> Callable[[int], None] | None:
                 raise TrainerLost(parent, f"trainer member {parent} was lost: {why}")
             return
         raise TensorwireError(f"the push was aborted: {decision.decode(errors='replace')}")
+
+    return check
+
+
+def any_abort_check(spec: PushSpec) -> Callable[[], None]:
+    """Receiver: ``check()`` raises once the driver decided anything but commit (a receiver that
+    waits for a cover of a trainer it lost, :mod:`..recovery.covered`, stops on any abort)."""
+    agent = runtime_agent()
+
+    def check() -> None:
+        if spec.commit != "all" or not spec.driver:
+            return
+        try:
+            decision = agent.rendezvous_get(spec.channel, DECISION_KEY, timeout_s=0.0)
+        except TensorwireError:
+            return  # no decision yet
+        if decision != COMMIT:
+            raise TensorwireError(f"the push was aborted: {decision.decode(errors='replace')}")
 
     return check
 

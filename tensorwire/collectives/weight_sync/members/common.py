@@ -40,7 +40,8 @@ __all__ = [
     "view",
 ]
 
-_specs: dict[bytes, PushSpec] = {}  # the last spec the driver sent (serialised -> loaded)
+_specs: dict[bytes, PushSpec] = {}  # the last specs the driver sent (serialised -> loaded)
+_SPECS_KEPT = 4  # a try's and a cover's, of two syncs
 _prepared: dict[int, tuple[Any, Any]] = {}  # id(part of a spec) -> (that part, what was computed from it)
 _fault_point: list[Callable[[str, int], None]] = []  # set_fault_point's hook, if any
 
@@ -163,8 +164,8 @@ def load_spec(spec: PushSpec | bytes, version: int | None, channel: str | None) 
     if isinstance(spec, bytes):
         kept = _specs.get(spec)
         if kept is None:
-            _specs.clear()
-            _prepared.clear()
+            if len(_specs) >= _SPECS_KEPT:
+                _specs.clear()  # (the parts memo() keeps go by identity: a cleared spec's are made again)
             kept = _specs[spec] = pickle.loads(spec)  # from our driver, through Ray's own channel
         spec = kept
     if version is not None:

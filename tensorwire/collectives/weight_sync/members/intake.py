@@ -15,7 +15,7 @@ import torch
 from tensorwire.collectives.groups.channel import Channel
 from tensorwire.collectives.weight_sync.protocol.messages import SLOT, BucketKind, parse_mixed
 from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
-from tensorwire.collectives.weight_sync.recovery.stalls import StallWatch, report_stall
+from tensorwire.collectives.weight_sync.recovery.stalls import StallWatch, report_death, report_stall
 from tensorwire.collectives.weight_sync.streams.staging import read_slot, ring_reader
 from tensorwire.errors import PeerLostError, TensorwireError, TrainerLost, TransferTimeoutError
 
@@ -104,6 +104,7 @@ def next_bucket(
         try:
             message = channel.recv(parent, key, timeout_s=watch.patience_s(), check=check)
         except PeerLostError as e:
+            report_death(spec, parent)
             raise TrainerLost(parent, str(e)) from e
         except TransferTimeoutError as e:
             _raise_if_stalled(channel, spec, parent, watch=watch, start=start, what=f"no {key} within", error=e)
@@ -152,6 +153,7 @@ def take_from(
             if parent >= spec.trainers:
                 raise
             if not channel.alive(parent):
+                report_death(spec, parent)
                 raise TrainerLost(parent, f"member {parent} exited while its bucket was read: {e}") from e
             if watch is None or not isinstance(e, TransferTimeoutError):
                 raise

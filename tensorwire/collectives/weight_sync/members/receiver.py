@@ -30,7 +30,7 @@ from tensorwire.collectives.groups.channel import Channel
 from tensorwire.collectives.weight_sync.commit import aside
 from tensorwire.collectives.weight_sync.commit import receiver as commit
 from tensorwire.collectives.weight_sync.commit.receiver import weight_version
-from tensorwire.collectives.weight_sync.commit.vote import abort_check, vote
+from tensorwire.collectives.weight_sync.commit.vote import abort_check, any_abort_check, vote
 from tensorwire.collectives.weight_sync.members.common import (
     at_fault_point,
     bucket_views,
@@ -45,14 +45,14 @@ from tensorwire.collectives.weight_sync.members.intake import acknowledge, next_
 from tensorwire.collectives.weight_sync.protocol import messages
 from tensorwire.collectives.weight_sync.protocol.messages import BucketKind, parse_bucket_message
 from tensorwire.collectives.weight_sync.protocol.spec import BucketSpan, PushSpec, ReceiveResult, Region, Role
-from tensorwire.collectives.weight_sync.recovery import arrivals
+from tensorwire.collectives.weight_sync.recovery import arrivals, covered
 from tensorwire.collectives.weight_sync.recovery.stalls import StallWatch
 from tensorwire.collectives.weight_sync.streams.fanout import serving
 from tensorwire.collectives.weight_sync.streams.staging import checksum
 from tensorwire.errors import TensorwireError, TrainerLost
 from tensorwire.runtime.ray.hooks import actor_hook
 
-__all__ = ["abandon", "receive"]
+__all__ = ["abandon", "cover_read", "receive"]
 
 
 @actor_hook
@@ -91,7 +91,7 @@ def _receive_and_commit(actor: object, spec: PushSpec, intake: _Intake, *, rehea
         if spec.in_place:
             _vote_first(actor, spec)
         dsts = aside.destinations(spec, targets)
-        intake.read_all(dsts)
+        intake.read_all(dsts, coverable=not rehearsal and spec.shadow and spec.commit == "all")
         if rehearsal:
             return messages.REHEARSAL
         return _commit(actor, spec, targets, dsts)
@@ -139,6 +139,32 @@ def _check_swappable(actor: object, spec: PushSpec, targets: list[torch.Tensor])
             raise ValueError(f"publish='swap': {held.name!r} is not contiguous; use publish='copy'")
 
 
+@actor_hook
+def cover_read(
+    actor: object, spec: PushSpec | bytes, version: int, channel: str, trainers: tuple[int, ...]
+) -> ReceiveResult:
+    """Hook, receiver: read the share of ``trainers`` (lost in the try running beside, by their
+    channel ranks there) from the others into the same shadows, and commit nothing: the try
+    commits once it is in (:mod:`..recovery.covered`, :mod:`..recovery.cover`)."""
+    start = time.perf_counter()
+    spec = load_spec(spec, version, channel)
+    arrivals.start_receiving(spec)
+    covered.began(spec, trainers)
+    intake = _Intake(spec, cover=True)
+    try:
+        with serving(list(intake.fanouts.values()), f"relay {spec.rank}"):
+            try:
+                intake.read_all(aside.destinations(spec, member_tensors(actor, spec, "target")), coverable=False)
+            except BaseException as e:
+                covered.ended(spec, trainers, f"{type(e).__name__}: {e}")
+                intake.tell_parents(f"receiver {spec.rank}: {type(e).__name__}: {e}")
+                raise
+            covered.ended(spec, trainers)
+    finally:
+        intake.channel.close()
+    return intake.result(messages.COVER_READ, time.perf_counter() - start)
+
+
 class _NotWriting(TensorwireError):
     """An in-place receiver's vote came back ``abort``: it writes nothing."""
 
@@ -167,11 +193,12 @@ class _Intake:
     """One push's reading in a receiver: every stream it is in, the relays it serves, what it
     took in (for its :class:`ReceiveResult`) and the trainers it lost."""
 
-    def __init__(self, spec: PushSpec) -> None:
+    def __init__(self, spec: PushSpec, *, cover: bool = False) -> None:
         self.spec = spec
         self.channel: Channel = channel_of(spec)
         self.fanouts = fanouts_of(self.channel, spec)
-        self.aborted = abort_check(spec)
+        self.aborted = _stop_check(spec, covers=not cover)
+        self.start = time.monotonic()
         self.transfer_s = self.unpack_s = self.verify_s = 0.0
         self.nbytes = 0
         self.transports: dict[str, int] = {}
@@ -185,9 +212,11 @@ class _Intake:
             rank: StallWatch(spec, same_machine=self.channel.members[rank].peer.same_machine(me)) for rank in trainers
         }
 
-    def read_all(self, dsts: list[torch.Tensor]) -> None:
+    def read_all(self, dsts: list[torch.Tensor], *, coverable: bool) -> None:
         """Every bucket of every stream, level by level (at most one level of acknowledgements
-        outstanding); raises the first trainer lost once the others are read."""
+        outstanding); once the others are read, waits for the cover of the trainers it lost
+        (``coverable``: an all-or-none read aside, :mod:`..recovery.covered`) or raises the
+        first of them lost."""
         for k in range(max((len(r.buckets) for r in self.spec.roles), default=0)):
             for role in self.spec.roles:
                 if k < len(role.buckets) and role.stream not in self.lost:
@@ -197,8 +226,13 @@ class _Intake:
             at_fault_point("receiver", k)
         for ack in self.acks:
             ack()
-        if self.lost:
+        if self.lost and not coverable:
             raise next(iter(self.lost.values()))
+        if self.lost:
+            trainers = {role.stream: role.trainer for role in self.spec.roles}
+            lost = {trainers[stream]: e for stream, e in self.lost.items()}
+            deadline = self.start + self.spec.deadline_s
+            covered.wait(self.spec, lost, aborted=any_abort_check(self.spec), deadline=deadline)
 
     def _take_bucket(self, role: Role, k: int, dsts: list[torch.Tensor]) -> None:
         """Bucket ``k`` of ``role``'s stream: wait for it, copy it in, check it, record it,
@@ -282,6 +316,21 @@ class _Intake:
             spans=tuple(self.spans),
             aside_nbytes=aside.aside_nbytes(self.spec.sync_id),
         )
+
+
+def _stop_check(spec: PushSpec, *, covers: bool) -> Callable[[int], None]:
+    """``check(parent)`` for the waits on a bucket from channel rank ``parent``: raises
+    ``TrainerLost`` once a cover reads that trainer's share instead (``covers``: in a try, not
+    in a cover), or the vote's abort (:func:`..commit.vote.abort_check`)."""
+    vote_check = abort_check(spec)
+
+    def check(parent: int) -> None:
+        if covers and parent < spec.trainers:
+            covered.check(spec, parent)
+        if vote_check is not None:
+            vote_check(parent)
+
+    return check
 
 
 def _received(spec: PushSpec, bucket: tuple[Region, ...]) -> list[arrivals.Received]:

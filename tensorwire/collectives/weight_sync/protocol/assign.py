@@ -62,11 +62,13 @@ def assign_roles(
     descriptions: Sequence[tuple[bytes, int]],
     bucket_bytes: int,
     have: Mapping[int, Arrived] | None = None,
+    first_stream: int = 0,
 ) -> tuple[dict[int, tuple[Role, ...]], int]:
     """Per channel rank (the trainers, then the ``live`` receivers in order): its part in
     every stream of ``plan``, with one relay tree per stream; and the number of buckets.
     ``descriptions`` are the members' (``describe_self``), in channel-rank order; ``have``:
-    pieces receivers hold already (:meth:`Plan.streams`)."""
+    pieces receivers hold already (:meth:`Plan.streams`); ``first_stream``: the first stream
+    id (a cover's streams run beside the try's, :mod:`..recovery.cover`: their staging apart)."""
     m = len(trainer_layouts)
     rank_of = {rid: m + i for i, rid in enumerate(live)}
     trainer_index = [{p.name: i for i, p in enumerate(layout)} for layout in trainer_layouts]
@@ -75,7 +77,7 @@ def assign_roles(
     }
     roles: dict[int, list[Role]] = {rank: [] for rank in range(len(descriptions))}
     streams = plan.streams(live, bucket_bytes, have)
-    for sid, stream in enumerate(streams):
+    for sid, stream in enumerate(streams, start=first_stream):
         ranks = [stream.trainer, *(rank_of[r] for r in stream.readers)]
         compact = [member_from(i, descriptions[rank]) for i, rank in enumerate(ranks)]
         parents = {ranks[c]: ranks[p] for c, p in broadcast_parents(compact, 0).items()}
@@ -88,13 +90,15 @@ def assign_roles(
         buckets = tuple(
             tuple(Region(names[first[i].source], first[i].src, first[i].wire_dtype) for i in b) for b in stream.buckets
         )
-        roles[stream.trainer].append(Role(sid, -1, tuple(children.get(stream.trainer, ())), buckets, slot))
+        roles[stream.trainer].append(
+            Role(sid, -1, tuple(children.get(stream.trainer, ())), buckets, slot, stream.trainer)
+        )
         for r in stream.readers:
             mine, index, rank = stream.transfers[r], receiver_index[r], rank_of[r]
             buckets = tuple(
                 tuple(Region(index[mine[i].target], mine[i].dst, mine[i].wire_dtype) for i in b) for b in stream.buckets
             )
-            roles[rank].append(Role(sid, parents[rank], tuple(children.get(rank, ())), buckets, slot))
+            roles[rank].append(Role(sid, parents[rank], tuple(children.get(rank, ())), buckets, slot, stream.trainer))
     return {rank: tuple(r) for rank, r in roles.items()}, sum(len(s.buckets) for s in streams)
 
 
@@ -106,12 +110,14 @@ def member_specs(
     in_place: bool,
     voted: bool = False,
     only: Mapping[int, frozenset[str]] | None = None,
+    first_stream: int = 0,
 ) -> tuple[dict[int, bytes], dict[int, tuple[Role, ...]], int]:
     """Each member's part of a push over the ``live`` receivers (``have``: pieces they hold
     already; ``in_place``: all-or-none without shadows; ``voted``: in place, the driver said
     commit in an earlier try; ``only``: per receiver, the parameters a subset push rewrites
-    and publishes), serialised once (pushes over the same members only change the
-    version and channel); the roles per channel rank; the buckets."""
+    and publishes; ``first_stream``: as :func:`assign_roles`), serialised once (pushes over
+    the same members only change the version and channel); the roles per channel rank; the
+    buckets."""
     descriptions = (*sync.trainer_descriptions, *(sync.receiver_descriptions[r] for r in live))
     layouts = [*sync.trainer_layouts, *(sync.receiver_layouts[r] for r in live)]
     roles, buckets = assign_roles(
@@ -122,6 +128,7 @@ def member_specs(
         descriptions=descriptions,
         bucket_bytes=sync.bucket_bytes,
         have=have,
+        first_stream=first_stream,
     )
     driver = peer_to_bytes(runtime_agent().peer)
     blobs = {}

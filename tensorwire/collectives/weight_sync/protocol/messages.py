@@ -25,6 +25,7 @@ from tensorwire.errors import TensorwireError
 __all__ = [
     "ABORT_PREFIX",
     "COMMIT",
+    "COVER_READ",
     "DECISION_KEY",
     "MAX_REASON_NBYTES",
     "REHEARSAL",
@@ -36,6 +37,7 @@ __all__ = [
     "ack_key",
     "bucket_key",
     "bucket_message",
+    "died_key",
     "lost_trainer_decision",
     "mixed_payload",
     "parse_bucket_message",
@@ -57,6 +59,7 @@ TRAINER_LOST_PREFIX = b"abort, a trainer was lost: "  # then "<rank> <why>": rec
 RELAY_LOST_TRAINER = "trainer lost: "
 # A receiver's answer to a rehearsal (``WeightSync.prepare``): everything read aside, nothing committed.
 REHEARSAL = "a rehearsal: read aside, nothing committed"
+COVER_READ = "a cover: a lost trainer's share read aside, committed by the try beside it"
 
 
 def bucket_key(stream: int, k: int) -> str:
@@ -83,6 +86,12 @@ def stalled_key(trainer: int) -> str:
     """A receiver to the driver: trainer rank ``trainer`` sent no next bucket within ``stall_s``
     (the value: the reporting receiver's rank)."""
     return f"stalled/{trainer}"
+
+
+def died_key(trainer: int) -> str:
+    """A receiver to the driver: trainer rank ``trainer``'s process exited mid-push (the
+    driver covers its share at once, :mod:`..recovery.cover`, without waiting for Ray to say so)."""
+    return f"died/{trainer}"
 
 
 def lost_trainer_decision(rank: int, why: str) -> bytes:

@@ -33,13 +33,14 @@ class Region:
 @dataclass(frozen=True)
 class Role:
     """One stream as one member sees it: who it reads from (-1: it is the server), whom it
-    serves, and its buckets."""
+    serves, its buckets, and the channel rank of the trainer it comes from."""
 
     stream: int
     parent: int
     children: tuple[int, ...]
     buckets: tuple[tuple[Region, ...], ...]
     slot_nbytes: int
+    trainer: int = -1
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ __all__ = [
     "arrived",
     "common_to_replicas",
     "count_lost",
+    "drop_covered",
     "fail_over",
     "leave_out_unresponsive",
     "replan_without",
@@ -90,11 +91,29 @@ def fail_over(
             kept = "receivers that wrote part of it are torn (-1) till the next push"
         return TrainerLost(dead, f"{error.why}; no failover: {why}; {kept}", report=error.report)
     logger.warning("weight sync %s: %s; pushing the rest from the others", sync.name, error.why)
+    _drop(sync, dead, plan, error.why, replaced=replaced, lost=lost)
+    return None
+
+
+def drop_covered(
+    sync: FailingOver, name: str, why: str, replaced: dict[str, str], lost: dict[tuple[str, str], int]
+) -> None:
+    """After a try that a cover completed (:mod:`.cover`): trainer ``name`` is out of the sync,
+    as after a failover (``replaced`` and ``lost`` say so)."""
+    dead = [sync.trainer_name(i) for i in range(len(sync.trainers))].index(name)
+    receivers = {rid: layout for rid, layout in sync.receiver_layouts.items() if rid not in sync.state.dead}
+    plan, _why = replan_without(dead, sync.trainer_layouts, sync.plan.mapping, receivers)
+    if plan is not None:  # (else a receiver the cover did not serve joined: the next push's look drops it)
+        _drop(sync, dead, plan, why, replaced=replaced, lost=lost)
+
+
+def _drop(
+    sync: FailingOver, dead: int, plan: Plan, why: str, *, replaced: dict[str, str], lost: dict[tuple[str, str], int]
+) -> None:
     name = sync.trainer_name(dead)
-    replaced[name] = error.why
+    replaced[name] = why
     count_lost(lost, sync.plan, dead, name)
     sync.drop_trainer(dead, plan)  # staging and shadows stay: the next try reuses them
-    return None
 
 
 def replan_without(

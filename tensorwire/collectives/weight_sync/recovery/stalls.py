@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
-from tensorwire.collectives.weight_sync.protocol.messages import stalled_key
+from tensorwire.collectives.weight_sync.protocol.messages import died_key, stalled_key
 from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
 from tensorwire.errors import TensorwireError
 from tensorwire.runtime.agent import agent as runtime_agent
@@ -44,7 +45,9 @@ __all__ = [
     "PATIENCE_FLOOR_SAME_MACHINE_S",
     "RESPONSIVE_LIMIT_FRACTION",
     "StallWatch",
+    "report_death",
     "report_stall",
+    "reported_dead",
     "stalled",
 ]
 
@@ -84,19 +87,37 @@ class StallWatch:
 
 def report_stall(spec: PushSpec, trainer: int) -> None:
     """Receiver: tell the driver that trainer rank ``trainer`` stalled."""
+    _tell_driver(spec, stalled_key(trainer))
+
+
+def report_death(spec: PushSpec, trainer: int) -> None:
+    """Receiver: tell the driver that trainer rank ``trainer``'s process exited."""
+    _tell_driver(spec, died_key(trainer))
+
+
+def _tell_driver(spec: PushSpec, key: str) -> None:
     if not spec.driver:
         return
     with contextlib.suppress(TensorwireError):  # the driver gone: the push is over anyway
         runtime_agent().rendezvous_push(
-            peer_from_bytes(spec.driver), spec.channel, stalled_key(trainer), str(spec.rank).encode(), timeout_s=5.0
+            peer_from_bytes(spec.driver), spec.channel, key, str(spec.rank).encode(), timeout_s=5.0
         )
 
 
 def stalled(channel: str, trainers: int) -> dict[int, str]:
     """Driver: the trainer ranks (below ``trainers``) a receiver reported stalled -> that receiver's rank."""
+    return _reported(channel, trainers, stalled_key)
+
+
+def reported_dead(channel: str, trainers: int) -> dict[int, str]:
+    """Driver: the trainer ranks a receiver saw exit -> that receiver's rank."""
+    return _reported(channel, trainers, died_key)
+
+
+def _reported(channel: str, trainers: int, key: Callable[[int], str]) -> dict[int, str]:
     agent = runtime_agent()
     found = {}
     for rank in range(trainers):
         with contextlib.suppress(TensorwireError):
-            found[rank] = agent.rendezvous_get(channel, stalled_key(rank), timeout_s=0.0).decode(errors="replace")
+            found[rank] = agent.rendezvous_get(channel, key(rank), timeout_s=0.0).decode(errors="replace")
     return found

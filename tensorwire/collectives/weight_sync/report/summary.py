@@ -43,6 +43,9 @@ class SyncReport:
         timeline: Every bucket a receiver that completed took in (:class:`.telemetry.PairSpan`).
         replaced: Trainer that died or stalled during the push -> why; the push completed from
             the others (failover), and the trainer is out of the sync.
+        covered_nbytes: Of ``moved_nbytes``, bytes a cover read from the others in place of a
+            trainer lost while the push ran (:mod:`..recovery.cover`; 0 when none was lost, or
+            when the failover took a second try).
     """
 
     version: int
@@ -62,6 +65,7 @@ class SyncReport:
     plan_nbytes: int = 0
     kept_nbytes: int = 0
     aside_nbytes: int = 0
+    covered_nbytes: int = 0
     replaced: dict[str, str] = field(default_factory=dict)
     pairs: dict[tuple[str, str, str], PairStats] = field(default_factory=dict)
     timeline: list[PairSpan] = field(default_factory=list)

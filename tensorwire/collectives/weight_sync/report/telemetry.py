@@ -19,7 +19,7 @@ from typing import Any
 from tensorwire.collectives.weight_sync.protocol.spec import ReceiveResult
 from tensorwire.transport.agent import metrics
 
-__all__ = ["PairSpan", "PairStats", "failover_pairs", "pairs_of", "plot_timeline", "record"]
+__all__ = ["PairSpan", "PairStats", "failover_pairs", "merged_pairs", "pairs_of", "plot_timeline", "record"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,29 @@ def pairs_of(
         pairs.setdefault(key, PairStats(*key, errors=count))
     timeline.sort(key=lambda s: (s.source, s.destination, s.start_s))
     return pairs, timeline
+
+
+def merged_pairs(
+    first: Mapping[tuple[str, str, str], PairStats], second: Mapping[tuple[str, str, str], PairStats]
+) -> dict[tuple[str, str, str], PairStats]:
+    """The pairs of both, the counts of a pair in both added."""
+    result = dict(first)
+    for key, b in second.items():
+        a = result.get(key)
+        result[key] = (
+            b
+            if a is None
+            else PairStats(
+                *key,
+                a.nbytes + b.nbytes,
+                a.transfers + b.transfers,
+                a.seconds + b.seconds,
+                a.errors + b.errors,
+                a.retries + b.retries,
+                a.failovers + b.failovers,
+            )
+        )
+    return result
 
 
 def failover_pairs(replaced: Mapping[tuple[str, str], int]) -> dict[tuple[str, str, str], PairStats]:

@@ -32,15 +32,27 @@ def test_a_replica_trainer_killed_mid_push_is_replaced_and_the_push_completes_ex
     assert list(report.replaced) == ["trainer 1"] and "died during the push" in report.replaced["trainer 1"]
     assert digests(receivers) == [ray.get(trainers[0].digest.remote())] * 3  # exact, version 2
     assert sync.versions() == [2, 2, 2] and len(sync.trainers) == 1
-    # only what the first try had not delivered was read again, all of it from trainer 0; the
-    # receivers read all of trainer 0's half in the first try, after trainer 1 was gone
-    assert report.plan_nbytes // 2 <= report.kept_nbytes < report.plan_nbytes
-    assert report.moved_nbytes + report.kept_nbytes == report.plan_nbytes
-    read = {k: p for k, p in report.pairs.items() if p.transfers}
-    assert {k[0] for k in read} == {"trainer 0"} and all(p.retries == p.transfers for p in read.values())
-    lost = {k: p for k, p in report.pairs.items() if k[0] == "trainer 1"}
+    lost = {k: p for k, p in report.pairs.items() if k[0] == "trainer 1" and k[2] == "-"}
     assert sorted(k[1] for k in lost) == ["receiver 0", "receiver 1", "receiver 2"]
-    assert all(k[2] == "-" and p.failovers == 1 and not p.transfers for k, p in lost.items())
+    assert all(p.failovers == 1 and not p.transfers for p in lost.values())
+    if commit == "all":
+        # covered while the push ran (recovery/cover.py): one try; trainer 1's share, all of it,
+        # read from trainer 0 beside trainer 0's own streams
+        assert report.kept_nbytes == 0 and report.covered_nbytes == report.plan_nbytes // 2
+        assert report.moved_nbytes - report.covered_nbytes < report.plan_nbytes  # (trainer 1 died part-way)
+        retried = {k: p for k, p in report.pairs.items() if p.retries}
+        assert {k[0] for k in retried} == {"trainer 0"} and sorted(k[1] for k in retried) == [
+            "receiver 0",
+            "receiver 1",
+            "receiver 2",
+        ]
+    else:
+        # only what the first try had not delivered was read again, all of it from trainer 0; the
+        # receivers read all of trainer 0's half in the first try, after trainer 1 was gone
+        assert report.plan_nbytes // 2 <= report.kept_nbytes < report.plan_nbytes
+        assert report.moved_nbytes + report.kept_nbytes == report.plan_nbytes and report.covered_nbytes == 0
+        read = {k: p for k, p in report.pairs.items() if p.transfers}
+        assert {k[0] for k in read} == {"trainer 0"} and all(p.retries == p.transfers for p in read.values())
     ray.get(trainers[0].step.remote(8))
     assert sync.push().ok and digests(receivers) == [ray.get(trainers[0].digest.remote())] * 3
     sync.close()
@@ -61,6 +73,21 @@ def test_without_another_source_the_push_fails_and_says_why(ray_local):
     assert digests(receivers) == before and sync.versions() == [1, 1] and sync.committed == 1
 
 
+def test_a_cover_that_loses_its_trainer_too_fails_the_push_and_the_receivers_keep_their_version(ray_local):
+    trainers = [Holder.remote(32, NBYTES, seed=1) for _ in range(2)]
+    receivers = [Holder.remote(32, NBYTES, seed=None) for _ in range(2)]
+    sync = tw.WeightSync(trainers, receivers, source="weights", bucket_bytes=1 << 20)
+    assert sync.push().ok
+    before = digests(receivers)
+    ray.get([t.step.remote(7) for t in trainers])
+    ray.get(trainers[0].die_in_second_send.remote())  # it dies as it starts to cover for trainer 1
+    ray.get(trainers[1].die_at.remote("trainer", 1))
+    with pytest.raises(tw.TrainerLost, match="no failover: it was the only trainer"):
+        sync.push()
+    assert digests(receivers) == before and sync.versions() == [1, 1] and sync.committed == 1
+    sync.close()
+
+
 def test_a_stalled_trainer_is_detected_by_progress_and_replaced(ray_local):
     trainers = [Holder.remote(16, NBYTES, seed=1) for _ in range(2)]
     receivers = [Holder.remote(16, NBYTES, seed=None) for _ in range(2)]
@@ -75,8 +102,9 @@ def test_a_stalled_trainer_is_detected_by_progress_and_replaced(ray_local):
         assert report.ok, report.failed
         assert list(report.replaced) == ["trainer 1"] and "stalled" in report.replaced["trainer 1"]
         assert digests(receivers) == [ray.get(trainers[0].digest.remote())] * 2
-        assert sync.versions() == [2, 2] and report.kept_nbytes > 0
-        # on_commit ran once per version, the aborted first try included
+        # covered while the push ran: one try, trainer 1's share read from trainer 0 beside it
+        assert sync.versions() == [2, 2] and report.covered_nbytes == report.plan_nbytes // 2
+        # on_commit ran once per version
         assert ray.get([r.commits_seen.remote() for r in receivers]) == [[("method", 1), ("method", 2)]] * 2
     finally:
         sync.close()
