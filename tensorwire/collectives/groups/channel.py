@@ -133,6 +133,33 @@ class Channel:
             check_every_s=MEMBER_ALIVE_CHECK_EVERY_S,
         )
 
+    def recv_any(
+        self, wanted: Sequence[tuple[int, str]], *, timeout_s: float, check: Callable[[], None] | None = None
+    ) -> tuple[int, bytes]:
+        """Take the first value to come of ``wanted`` ((member rank, key) pairs; of those here
+        at once, the earliest in ``wanted``): its index in ``wanted`` and the value. ``check``
+        runs every :data:`MEMBER_ALIVE_CHECK_EVERY_S` and may raise to stop waiting (it looks
+        whether the members are alive: this does not).
+
+        Raises:
+            TransferTimeoutError: Nothing came within ``timeout_s``.
+        """
+        keys = [f"{rank}:{key}" for rank, key in wanted]
+
+        def take(slice_s: float) -> tuple[int, bytes] | None:
+            try:
+                return self._agent.rendezvous_take_any(self.name, keys, timeout_s=slice_s)
+            except TransferTimeoutError:
+                return None
+
+        return wait_until(
+            take,
+            deadline=time.monotonic() + timeout_s,
+            what=f"group {self.name}: any of {len(keys)} message(s)",
+            check=check,
+            check_every_s=MEMBER_ALIVE_CHECK_EVERY_S,
+        )
+
     def alive(self, rank: int) -> bool:
         """False once member ``rank``'s process is known to have exited."""
         return self._agent.peer_may_be_alive(self.members[rank].peer)

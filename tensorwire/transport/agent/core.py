@@ -346,6 +346,9 @@ class Agent(TransportContext, AgentServices):
     def rendezvous_take(self, group: str, key: str, *, timeout_s: float) -> bytes:
         return self._mailbox.wait(group, key, timeout_s=timeout_s, take=True)
 
+    def rendezvous_take_any(self, group: str, keys: Sequence[str], *, timeout_s: float) -> tuple[int, bytes]:
+        return self._mailbox.take_any(group, keys, timeout_s=timeout_s)
+
     def rendezvous_forget(self, group: str) -> None:
         self._mailbox.forget(group)
 

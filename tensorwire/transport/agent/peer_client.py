@@ -30,6 +30,8 @@ __all__ = ["PeerClient"]
 
 logger = logging.getLogger(__name__)
 
+_EXIT_LOOK_S = 0.02  # while a call to a peer on this machine runs, how often to look whether its process exited
+
 
 class PeerClient:
     """Calls to other agents on behalf of this one (thread-safe).
@@ -126,12 +128,25 @@ class PeerClient:
         for attempt in (1, 2):
             try:
                 left = max(0.05, deadline - time.monotonic())
-                return self._client.call(address, method, request, reply_type, timeout_s=left)
+                future = self._client.call_async(address, method, request, reply_type, timeout_s=left)
+                return self._answer(future, peer, what)
             except grpc.RpcError as e:
                 if self._may_retry(attempt, e, peer, deadline - time.monotonic(), what):
                     continue
                 raise self.owner_error(peer, map_rpc_error(e, what)) from None
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _answer(self, future: Any, peer: PeerInfo, what: str) -> Any:
+        """A call's reply; a peer on this machine whose process exits meanwhile ends the wait
+        at once (its sockets close only once its memory is torn down: tens of ms for a large
+        process)."""
+        while True:
+            try:
+                return future.result(timeout=_EXIT_LOOK_S)
+            except grpc.FutureTimeoutError:
+                if not self.may_be_alive(peer):
+                    future.cancel()
+                    raise self.owner_error(peer, PeerLostError(f"{what}: the peer exited")) from None
 
     # ------------------------------------------------------------------ the calls
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Sequence
 
 from tensorwire.errors import TransferTimeoutError
 
@@ -52,6 +53,28 @@ class Mailbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeoutError(f"rendezvous {group}: key {key!r} not set before the deadline")
+                self._changed.wait(left)
+
+    def take_any(self, group: str, keys: Sequence[str], *, timeout_s: float) -> tuple[int, bytes]:
+        """The first of ``keys`` of ``group`` that is set (the earliest in ``keys`` among those
+        set), removed: its index and value.
+
+        Raises:
+            TransferTimeoutError: None set within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                table = self._groups.get(group, {})
+                for index, key in enumerate(keys):
+                    value = table.pop(key, None)
+                    if value is not None:
+                        return index, value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(
+                        f"rendezvous {group}: none of {len(keys)} key(s) set before the deadline"
+                    )
                 self._changed.wait(left)
 
     def forget(self, group: str) -> None:

@@ -202,6 +202,11 @@ class AgentServices(ABC):
         Raises ``TransferTimeoutError`` after ``timeout_s``."""
 
     @abstractmethod
+    def rendezvous_take_any(self, group: str, keys: Sequence[str], *, timeout_s: float) -> tuple[int, bytes]:
+        """The first of ``keys`` of ``group`` here (the earliest in ``keys`` among those here),
+        removed: its index and value. Raises ``TransferTimeoutError`` after ``timeout_s``."""
+
+    @abstractmethod
     def rendezvous_forget(self, group: str) -> None:
         """Drop every key of ``group``. Never blocks."""
 

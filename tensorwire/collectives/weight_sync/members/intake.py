@@ -8,7 +8,7 @@ and acknowledging it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -19,7 +19,7 @@ from tensorwire.collectives.weight_sync.recovery.stalls import StallWatch, repor
 from tensorwire.collectives.weight_sync.streams.staging import read_slot, ring_reader
 from tensorwire.errors import PeerLostError, TensorwireError, TrainerLost, TransferTimeoutError
 
-__all__ = ["acknowledge", "next_bucket", "take_from"]
+__all__ = ["acknowledge", "next_message", "take_from"]
 
 
 def _take(
@@ -85,32 +85,93 @@ def _take_object(
     return fetched.transport, fetched.copy_s + time.perf_counter() - copy_start, fetched.tensors
 
 
-def next_bucket(
+class _Lost(Exception):
+    """Out of a wait's check: the trainer of ``stream`` was lost."""
+
+    def __init__(self, stream: int, error: TrainerLost) -> None:
+        super().__init__(str(error))
+        self.stream = stream
+        self.error = error
+
+
+def next_message(
     channel: Channel,
     spec: PushSpec,
-    parent: int,
-    key: str,
-    aborted: Callable[[int], None] | None,
+    waiting: Mapping[int, tuple[int, str]],
     *,
-    watch: StallWatch | None = None,
-) -> bytes:
-    """The message of the next bucket from ``parent``; a trainer (``watch``: its progress) that
-    makes none stalled (:mod:`..recovery.stalls`: the driver is told, to replace it)."""
-    check = (lambda: aborted(parent)) if aborted is not None else None
-    if parent >= spec.trainers or watch is None:
-        return channel.recv(parent, key, check=check)
-    start = time.monotonic()
+    check: Callable[[int], None] | None,
+    watches: Mapping[int, StallWatch],
+    since: Mapping[int, float],
+) -> tuple[int, bytes | TrainerLost]:
+    """The first bucket message to come of ``waiting`` (stream -> (parent's channel rank, key);
+    of those here at once, the earliest in ``waiting``), as (stream, message); or (stream,
+    ``TrainerLost``) for a stream whose trainer died or stalled first (:mod:`..recovery.stalls`:
+    one that sent nothing for its patience since ``since[stream]`` and cannot act; ``watches``:
+    each trainer's progress, by its rank). So a stream whose trainer is gone does not hold the
+    others: they are read as their buckets come. ``check(parent)`` may raise to stop the wait
+    on one stream (``TrainerLost``: a cover reads that trainer's share, or the driver said it
+    was lost) or on all.
+
+    Raises:
+        PeerLostError: A relay parent (a receiver) exited.
+        TransferTimeoutError: A relay parent sent nothing within ``spec.timeout_s``.
+    """
+    streams = list(waiting)
+    look_at = {s: since[s] + _patience(spec, watches, waiting[s][0]) for s in streams}
     while True:
+        now = time.monotonic()
         try:
-            message = channel.recv(parent, key, timeout_s=watch.patience_s(), check=check)
-        except PeerLostError as e:
-            report_death(spec, parent)
-            raise TrainerLost(parent, str(e)) from e
+            index, message = channel.recv_any(
+                [waiting[s] for s in streams],
+                timeout_s=max(0.0, min(look_at.values()) - now),
+                check=lambda: _look(channel, spec, waiting, check),
+            )
+        except _Lost as e:
+            return e.stream, e.error
         except TransferTimeoutError as e:
-            _raise_if_stalled(channel, spec, parent, watch=watch, start=start, what=f"no {key} within", error=e)
-            continue  # its process runs: slow, not stalled
-        watch.arrived()
-        return message
+            for stream in [s for s in streams if look_at[s] <= time.monotonic()]:
+                parent = waiting[stream][0]
+                if parent not in watches:
+                    raise  # a relay: as long as a message may take
+                try:
+                    what = f"no {waiting[stream][1]} within"
+                    _raise_if_stalled(
+                        channel, spec, parent, watch=watches[parent], start=since[stream], what=what, error=e
+                    )
+                except TrainerLost as lost:
+                    return stream, lost
+                look_at[stream] = time.monotonic() + watches[parent].patience_s()  # slow, not stalled
+            continue
+        stream = streams[index]
+        watch = watches.get(waiting[stream][0])
+        if watch is not None:
+            watch.arrived()
+        return stream, message
+
+
+def _patience(spec: PushSpec, watches: Mapping[int, StallWatch], parent: int) -> float:
+    """How long a stream from ``parent`` may send nothing before a look (a relay: the push's timeout)."""
+    watch = watches.get(parent)
+    return watch.patience_s() if watch is not None else spec.timeout_s
+
+
+def _look(
+    channel: Channel, spec: PushSpec, waiting: Mapping[int, tuple[int, str]], check: Callable[[int], None] | None
+) -> None:
+    """While waiting: a parent that exited (a trainer: ``_Lost``, the driver told), and ``check``."""
+    for stream, (parent, key) in waiting.items():
+        if not channel.alive(parent):
+            if parent >= spec.trainers:
+                raise PeerLostError(f"group {channel.name}: member {parent} exited (waiting for {key!r})")
+            report_death(spec, parent)
+            raise _Lost(
+                stream, TrainerLost(parent, f"group {channel.name}: member {parent} exited (waiting for {key!r})")
+            )
+        if check is not None:
+            try:
+                check(parent)
+            except TrainerLost as e:
+                raise _Lost(stream, e) from None
 
 
 def _raise_if_stalled(

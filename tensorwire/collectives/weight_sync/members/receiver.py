@@ -41,7 +41,7 @@ from tensorwire.collectives.weight_sync.members.common import (
     memo,
     view,
 )
-from tensorwire.collectives.weight_sync.members.intake import acknowledge, next_bucket, take_from
+from tensorwire.collectives.weight_sync.members.intake import acknowledge, next_message, take_from
 from tensorwire.collectives.weight_sync.protocol import messages
 from tensorwire.collectives.weight_sync.protocol.messages import BucketKind, parse_bucket_message
 from tensorwire.collectives.weight_sync.protocol.spec import BucketSpan, PushSpec, ReceiveResult, Region, Role
@@ -198,6 +198,7 @@ class _Intake:
         self.channel: Channel = channel_of(spec)
         self.fanouts = fanouts_of(self.channel, spec)
         self.aborted = _stop_check(spec, covers=not cover)
+        self.cover = cover
         self.start = time.monotonic()
         self.transfer_s = self.unpack_s = self.verify_s = 0.0
         self.nbytes = 0
@@ -213,17 +214,34 @@ class _Intake:
         }
 
     def read_all(self, dsts: list[torch.Tensor], *, coverable: bool) -> None:
-        """Every bucket of every stream, level by level (at most one level of acknowledgements
-        outstanding); once the others are read, waits for the cover of the trainers it lost
-        (``coverable``: an all-or-none read aside, :mod:`..recovery.covered`) or raises the
-        first of them lost."""
-        for k in range(max((len(r.buckets) for r in self.spec.roles), default=0)):
-            for role in self.spec.roles:
-                if k < len(role.buckets) and role.stream not in self.lost:
-                    self._take_bucket(role, k, dsts)
+        """Every bucket of every stream, each stream's in order and the streams' as they come
+        (a stream whose trainer is gone holds none of the others; at most one level of relay
+        acknowledgements outstanding); once the others are read, waits for the cover of the
+        trainers it lost (``coverable``: an all-or-none read aside, :mod:`..recovery.covered`)
+        or raises the first of them lost."""
+        roles = {role.stream: role for role in self.spec.roles}
+        cursor = dict.fromkeys(roles, 0)
+        active = [s for s, role in roles.items() if role.buckets]
+        since = dict.fromkeys(active, time.monotonic())
+        level = 0
+        while active:
+            active.sort(key=cursor.__getitem__)  # the oldest bucket first, of those here at once
+            waiting = {s: (roles[s].parent, messages.bucket_key(s, cursor[s])) for s in active}
+            stream, got = next_message(
+                self.channel, self.spec, waiting, check=self.aborted, watches=self.watches, since=since
+            )
+            role = roles[stream]
+            if isinstance(got, TrainerLost):
+                self._lose(role, got)
+            else:
+                self._take_bucket(role, cursor[stream], dsts, got)
+            cursor[stream] += 1
+            since[stream] = time.monotonic()
+            if stream in self.lost or cursor[stream] >= len(role.buckets):
+                active.remove(stream)
             while len(self.acks) > len(self.spec.roles):
                 self.acks.pop(0)()
-            at_fault_point("receiver", k)
+            level = self._levels_handled(level, cursor, active)
         for ack in self.acks:
             ack()
         if self.lost and not coverable:
@@ -234,39 +252,61 @@ class _Intake:
             deadline = self.start + self.spec.deadline_s
             covered.wait(self.spec, lost, aborted=any_abort_check(self.spec), deadline=deadline)
 
-    def _take_bucket(self, role: Role, k: int, dsts: list[torch.Tensor]) -> None:
-        """Bucket ``k`` of ``role``'s stream: wait for it, copy it in, check it, record it,
-        acknowledge it, relay it."""
+    def _levels_handled(self, level: int, cursor: dict[int, int], active: list[int]) -> int:
+        """The bucket levels every stream is past now (its fault points run once each)."""
+        done = min((cursor[s] for s in active), default=max((len(r.buckets) for r in self.spec.roles), default=0))
+        for k in range(level, done):
+            at_fault_point("receiver", k)
+        return max(level, done)
+
+    def _lose(self, role: Role, error: TrainerLost) -> None:
+        """``role``'s trainer died or stalled: what the others send is kept for the failover;
+        node-mates it relays to go on with their other streams too."""
+        self.lost[role.stream] = error
+        if role.stream in self.fanouts:
+            self.fanouts[role.stream].abort(messages.RELAY_LOST_TRAINER + str(error))
+
+    def _take_bucket(self, role: Role, k: int, dsts: list[torch.Tensor], message: bytes) -> None:
+        """Bucket ``k`` of ``role``'s stream (its ``message`` came): copy it in, check it,
+        record it, acknowledge it, relay it."""
         spec, what = self.spec, f"bucket {k} from member {role.parent}"
+        arrived = memo(role.buckets, lambda buckets: [_received(spec, b) for b in buckets])
+        if self.cover and role.stream not in self.fanouts and arrivals.holds(spec, arrived[k]):
+            self._acknowledge(role, k)  # a cover's bucket the try delivered already: not read again
+            return
         prepared = memo(role.buckets[k], lambda b: bucket_views(b, spec.layout))
         views = [view(dsts[param], where) for param, where, _d in prepared]
         dtypes = [dtype for _p, _w, dtype in prepared]
         try:
-            key, watch = messages.bucket_key(role.stream, k), self.watches.get(role.parent)
-            message = next_bucket(self.channel, spec, role.parent, key, self.aborted, watch=watch)
             kind, expected, payload = parse_bucket_message(message, what)
             if kind is BucketKind.ABORT:
                 _raise_aborted(spec, role.parent, what, payload)
             began, fetch_start = time.time(), time.perf_counter()
             transport, slow_s, sent = take_from(
-                self.channel, spec, role.parent, (kind, payload), views=views, dtypes=dtypes, watch=watch
+                self.channel,
+                spec,
+                role.parent,
+                (kind, payload),
+                views=views,
+                dtypes=dtypes,
+                watch=self.watches.get(role.parent),
             )
-        except TrainerLost as e:  # what the others send is kept for the failover
-            self.lost[role.stream] = e
-            if role.stream in self.fanouts:  # node-mates go on with their other streams too
-                self.fanouts[role.stream].abort(messages.RELAY_LOST_TRAINER + str(e))
+        except TrainerLost as e:
+            self._lose(role, e)
             return
         took = time.perf_counter() - fetch_start
         size = sum(v.numel() * d.itemsize for v, d in zip(views, dtypes, strict=True))
         self._account(BucketSpan(role.parent, k, transport, began, took, size), slow_s)
         if spec.verify:
             self._verify(views, expected, what)
-        arrived = memo(role.buckets, lambda buckets: [_received(spec, b) for b in buckets])
         arrivals.note_received(spec, arrived[k])
-        self.acks.append(acknowledge(self.channel, spec, role.parent, messages.ack_key(role.stream, k)))
-        self.acked[role.stream] = k + 1
+        self._acknowledge(role, k)
         if role.stream in self.fanouts:
             self.fanouts[role.stream].offer(k, [(t, t.dtype) for t in sent], expected)
+
+    def _acknowledge(self, role: Role, k: int) -> None:
+        self.acks.append(acknowledge(self.channel, self.spec, role.parent, messages.ack_key(role.stream, k)))
+        self.acked[role.stream] = k + 1
 
     def _account(self, span: BucketSpan, slow_s: float) -> None:
         self.transports[span.transport] = self.transports.get(span.transport, 0) + 1

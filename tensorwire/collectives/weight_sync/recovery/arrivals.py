@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import threading
 
+from tensorwire.collectives.weight_sync.planning.layout import Box
 from tensorwire.collectives.weight_sync.protocol.spec import PushSpec
 from tensorwire.runtime.ray.hooks import actor_hook
 
-__all__ = ["Received", "arrived_hook", "note_received", "received", "release", "start_receiving"]
+__all__ = ["Received", "arrived_hook", "holds", "note_received", "received", "release", "start_receiving"]
 
 Received = tuple[str, str, tuple[int, ...], tuple[int, ...]]  # (parameter, wire dtype, box offsets, box sizes)
 
@@ -33,6 +34,22 @@ def note_received(spec: PushSpec, pieces: list[Received]) -> None:
         kept = _arrived.get(spec.sync_id)
         if kept is not None and kept[0] == spec.version:
             kept[1].update(pieces)
+
+
+def holds(spec: PushSpec, pieces: list[Received]) -> bool:
+    """Whether every one of ``pieces`` of ``spec.version`` is in place here, each within one
+    piece that arrived (a cover skips the buckets the try delivered before its trainer was lost)."""
+    with _lock:
+        kept = _arrived.get(spec.sync_id)
+        if kept is None or kept[0] != spec.version:
+            return False
+        boxes: dict[tuple[str, str], list[Box]] = {}
+        for name, wire, offsets, sizes in kept[1]:
+            boxes.setdefault((name, wire), []).append(Box(offsets, sizes))
+    return all(
+        any(box.contains(Box(offsets, sizes)) for box in boxes.get((name, wire), ()))
+        for name, wire, offsets, sizes in pieces
+    )
 
 
 def received(sync_id: str, version: int) -> list[Received]:
