@@ -82,7 +82,7 @@ def test_collectives_and_runtime_have_their_rooms():
     assert [p.name for p in COLLECTIVES.glob("*.py")] == ["__init__.py"]
     weight_sync = COLLECTIVES / "weight_sync"
     rooms = {p.name for p in weight_sync.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert rooms == {"planning", "protocol", "members", "streams", "commit", "recovery", "report"}
+    assert rooms == {"planning", "protocol", "members", "streams", "commit", "recovery", "report", "model"}
     assert {p.name for p in RUNTIME.iterdir() if p.is_dir() and p.name != "__pycache__"} == {"refs", "ray"}
 
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
-from tensorwire.collectives.weight_sync.commit.push_wait import PushWait
+from tensorwire.collectives.weight_sync.commit.push_wait import PushWait, Waited
 from tensorwire.collectives.weight_sync.commit.state import PushState
 from tensorwire.collectives.weight_sync.commit.vote import Vote
 from tensorwire.collectives.weight_sync.members import receiver, trainer
@@ -112,12 +112,49 @@ def run_try(
     prepared = prepared_for(sync, live, have, catch_up, only)
     m = len(sync.trainers)
     running = _start(sync, live, version, prepared, rehearsal=rehearsal)
+    waited, covers = _wait(sync, live, version, prepared, running, have=have, only=only)
+    report = SyncReport(version, sync.nbytes, prepared.buckets, time.perf_counter() - running.start, 0.0, 0.0, 0.0, 0.0)
+    _collect_receivers(sync, report, running.receivers, only)
+    names = {i: sync.trainer_name(i) for i in range(m)} | {m + i: f"receiver {r}" for i, r in enumerate(live)}
+    failed = [f"receiver {r}" for r, kind in report.failure_kinds.items() if kind.fault_of_its_own]
+    report.kept_nbytes = report.plan_nbytes - report.moved_nbytes if have is not None else 0
+    _raise_stalled(sync, report, waited, names=names, failed=failed, started=running.started)
+    wrote_all = all(r in report.receivers or r in sync.state.dead for r in live)
+    committed = wrote_all if prepared.in_place else running.vote is not None and running.vote.committed
+    for i, why in waited.covered.items():
+        if not committed:  # the cover did not complete it: fail over between two tries
+            _telemetry(sync, report, names, running.started, [*failed, sync.trainer_name(i)])
+            raise _trainer_lost(sync, report, i, why)
+        failed.append(sync.trainer_name(i))
+        report.replaced[sync.trainer_name(i)] = why
+    _collect_trainers(sync, report, running, waited, committed=committed, failed=failed, names=names)
+    if not rehearsal:
+        _telemetry(sync, report, names, running.started, failed, retry=have is not None)
+    for started in covers:
+        _collect_cover(sync, report, started, live, running.started)
+    return report
+
+
+def _wait(
+    sync: PushingSync,
+    live: tuple[int, ...],
+    version: int,
+    prepared: Prepared,
+    running: _Started,
+    *,
+    have: Mapping[int, Arrived] | None,
+    only: Subset | None,
+) -> tuple[Waited, list[cover.Cover]]:
+    """:meth:`PushWait.wait` for the try ``running``, covering a lost trainer where it can
+    (all-or-none aside, more than one trainer); what it did not wait for, and the covers."""
+    m = len(sync.trainers)
     members = {ref: sync.trainer_name(i) for i, ref in enumerate(running.trainers)}
     members.update({ref: f"receiver {rid}" for rid, ref in running.receivers.items()})
     trainer_roles = [role for rank in range(m) for role in prepared.roles[rank]]
     waiting = PushWait(version, prepared.buckets, sync.plan.nbytes, progress=sync.progress, timeout_s=sync.timeout_s)
     covers: list[cover.Cover] = []
     coverable = running.vote is not None and not prepared.in_place and m > 1
+    starter = _cover_starter(sync, live, version, running.channel, have, only, covers=covers) if coverable else None
     try:
         waited = waiting.wait(
             members,
@@ -126,73 +163,64 @@ def run_try(
             vote=running.vote,
             trainers=running.trainers,
             stopped=sync.trainer_stopped,
-            cover=_cover_starter(sync, live, version, have, only, covers=covers) if coverable else None,
+            cover=starter,
         )
     finally:
         if prepared.in_place and running.vote is not None and running.vote.committed:
             sync.state.promise()  # the receivers write it: from here on, only forward
         for started in covers:
             runtime_agent().rendezvous_forget(started.channel)
-    report = SyncReport(version, sync.nbytes, prepared.buckets, time.perf_counter() - running.start, 0.0, 0.0, 0.0, 0.0)
-    _collect_receivers(sync, report, running.receivers, only)
-    names = {i: sync.trainer_name(i) for i in range(m)} | {m + i: f"receiver {r}" for i, r in enumerate(live)}
-    failed = [f"receiver {r}" for r, kind in report.failure_kinds.items() if kind.fault_of_its_own]
-    report.kept_nbytes = report.plan_nbytes - report.moved_nbytes if have is not None else 0
+    return waited, covers
+
+
+def _raise_stalled(
+    sync: PushingSync, report: SyncReport, waited: Waited, *, names: dict[int, str], failed: list[str], started: float
+) -> None:
+    """``TrainerLost`` for the first trainer reported stalled and not covered (after the try's telemetry)."""
     for i, reporter in waited.stalls.items():
-        _telemetry(sync, report, names, running.started, [*failed, sync.trainer_name(i)])
+        _telemetry(sync, report, names, started, [*failed, sync.trainer_name(i)])
         why = f"stalled: {names.get(int(reporter), reporter)} got no bucket from it in time"
         if sync.stall_s:
             why = f"stalled: {names.get(int(reporter), reporter)} got no bucket from it in {sync.stall_s:g} s"
         raise _trainer_lost(sync, report, i, why)
-    wrote_all = all(r in report.receivers or r in sync.state.dead for r in live)
-    committed = wrote_all if prepared.in_place else running.vote is not None and running.vote.committed
-    for i, why in waited.covered.items():
-        if not committed:  # the cover did not complete it: fail over between two tries
-            _telemetry(sync, report, names, running.started, [*failed, sync.trainer_name(i)])
-            raise _trainer_lost(sync, report, i, why.removeprefix(f"{members[running.trainers[i]]} "))
-        failed.append(sync.trainer_name(i))
-        report.replaced[sync.trainer_name(i)] = why
-    _collect_trainers(
-        sync,
-        report,
-        running,
-        waited.unfinished,
-        committed=committed,
-        failed=failed,
-        names=names,
-        covered=waited.covered,
-    )
-    if not rehearsal:
-        _telemetry(sync, report, names, running.started, failed, retry=have is not None)
-    for started in covers:
-        _collect_cover(sync, report, started, live, running.started)
-    return report
 
 
-def _cover_starter(
+def _cover_starter(  # noqa: PLR0917 (the try's setup, passed on)
     sync: PushingSync,
     live: tuple[int, ...],
     version: int,
+    of_try: str,
     have: Mapping[int, Arrived] | None,
     only: Subset | None,
     *,
     covers: list[cover.Cover],
 ) -> Callable[[int, str], dict[Any, str] | None]:
-    """``start(rank, why)``: the cover of trainer ``rank`` (:func:`.recovery.cover.start`),
-    kept in ``covers``; its calls, or None when there is none."""
+    """``start(rank, why)``: the cover of trainer ``rank`` of the try on channel ``of_try``
+    (:func:`.recovery.cover.start`), kept in ``covers``; its calls, or None when there is none
+    (each trainer asked about once: a replan of a large push takes seconds; a cover that cannot
+    be started leaves the try to abort and fail over as before)."""
+    asked: set[int] = set()
 
     def start(rank: int, why: str) -> dict[Any, str] | None:
-        started = cover.start(
-            sync,
-            live,
-            version,
-            rank,
-            why,
-            actors=sync.receiver_actors,
-            channel=sync.next_channel(),
-            have=have,
-            only=only,
-        )
+        if rank in asked:
+            return None
+        asked.add(rank)
+        try:
+            started = cover.start(
+                sync,
+                live,
+                version,
+                rank,
+                why,
+                actors=sync.receiver_actors,
+                channel=sync.next_channel(),
+                of_try=of_try,
+                have=have,
+                only=only,
+            )
+        except Exception:  # (the push goes on: the failover between two tries)
+            logger.warning("weight sync %s: the cover of trainer %d could not start", sync.name, rank, exc_info=True)
+            return None
         if started is None:
             return None
         covers.append(started)
@@ -218,8 +246,8 @@ def _collect_cover(
             results[live[outcome.value.rank - m]] = outcome.value
             report.moved_nbytes += outcome.value.nbytes
             report.covered_nbytes += outcome.value.nbytes
-        else:
-            report.peak_staging_nbytes = max(report.peak_staging_nbytes, outcome.value.peak_nbytes)
+        else:  # (beside the try's: its staging is on top of the try's)
+            report.peak_staging_nbytes += outcome.value.peak_nbytes
             report.in_place_nbytes += outcome.value.in_place_nbytes
     pairs, timeline = pairs_of(results, names, began, retry=True)
     report.pairs = merged_pairs(report.pairs, pairs)
@@ -303,22 +331,21 @@ def _collect_trainers(
     sync: PushingSync,
     report: SyncReport,
     started: _Started,
-    unfinished: list[Any],
+    waited: Waited,
     *,
     committed: bool,
     failed: list[str],
     names: dict[int, str],
-    covered: Mapping[int, str],
 ) -> None:
     """Each trainer's result into ``report``; a trainer lost before the receivers committed
     raises ``TrainerLost``, one that failed its own error (after the telemetry of the try).
     One that died after they committed is only named, one that stopped after every receiver
-    had its bytes (``unfinished``) is left running: the next push replaces them; one a cover
-    replaced (``covered``) is left as it is."""
+    had its bytes (``waited.unfinished``) is left running: the next push replaces them; one a
+    cover replaced (``waited.covered``) is left as it is."""
     for i, ref in enumerate(started.trainers):
-        if i in covered:
+        if i in waited.covered:
             continue
-        if any(ref is call for call in unfinished):
+        if any(ref is call for call in waited.unfinished):
             logger.warning(
                 "weight sync %s: %s stopped after sending everything: left running", sync.name, sync.trainer_name(i)
             )

@@ -327,10 +327,7 @@ class Agent(TransportContext, AgentServices):
     # ------------------------------------------------------------------ rendezvous mailbox
 
     def rendezvous_push(self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float) -> None:
-        if peer.agent_id == self._peer.agent_id:
-            self._mailbox.put(group, key, value)
-            return
-        self._client.rendezvous(peer, group, key, value, timeout_s=timeout_s)
+        self.rendezvous_push_async(peer, group, key, value, timeout_s=timeout_s)()  # (a failed try is made again)
 
     def rendezvous_push_async(
         self, peer: PeerInfo, group: str, key: str, value: bytes, *, timeout_s: float

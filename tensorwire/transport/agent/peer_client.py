@@ -112,9 +112,8 @@ class PeerClient:
             return False
         logger.debug("%s: connection dropped, retrying once", what)
         self._client.drop(self.address(peer))
-        for _ in range(
-            5
-        ):  # a moment (50 ms), cut short by the peer's exit (a process dying drops its connections first)
+        # a moment (50 ms), cut short by the peer's exit (a process dying drops its connections first)
+        for _ in range(5):
             time.sleep(0.01)
             if not self.may_be_alive(peer):
                 return False
@@ -140,6 +139,8 @@ class PeerClient:
         """A call's reply; a peer on this machine whose process exits meanwhile ends the wait
         at once (its sockets close only once its memory is torn down: tens of ms for a large
         process)."""
+        if not peer.same_machine(self._peer()):
+            return future.result()  # (nothing to look at: its deadline bounds it)
         while True:
             try:
                 return future.result(timeout=_EXIT_LOOK_S)

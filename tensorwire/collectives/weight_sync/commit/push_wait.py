@@ -66,7 +66,7 @@ class PushWait:
                 if vote is not None and vote.decision is None:
                     vote.collect()
                     done, pending = calls.wait_all(pending, timeout_s=0.0)
-                    if cover is not None and not waited.covered:
+                    if cover is not None and not waited.covered and len(vote.ready) < len(vote.receivers):
                         pending = _cover_lost(channel, members, trainers, pending, done, waited, cover)
                     pending = _take_stalls(channel, trainers, waited, pending)
                     covered = [trainers[rank] for rank in waited.covered]
@@ -75,6 +75,8 @@ class PushWait:
                     if failure is None and waited.stalls:
                         lost, reporter = next(iter(waited.stalls.items()))
                         failure = f"{members[trainers[lost]]} stalled (reported by channel rank {reporter})"
+                    if failure is None:  # a receiver saw it exit: no need to wait for Ray to say so
+                        failure, lost = _seen_dead(channel, members, trainers, waited)
                     vote.decide(failure, lost_trainer=lost)
                 else:
                     pending = _take_stalls(channel, trainers, waited, pending)
@@ -106,7 +108,7 @@ class PushWait:
         if not pending or any(id(ref) not in ranks for ref in pending):
             return pending
         if not committed:
-            receivers = [ref for ref in members if id(ref) not in ranks]
+            receivers = [ref for ref, who in members.items() if who.startswith("receiver")]  # (not a cover's calls)
             outcomes = [calls.settle(ref, timeout_s=self.timeout_s) for ref in receivers]
             committed.append(bool(receivers) and all(o.ok and o.value.committed for o in outcomes))
         if not committed[0]:
@@ -154,9 +156,19 @@ def _cover_lost(  # noqa: PLR0917 (the wait's state, passed on)
         if started is None:
             return pending
         members.update(started)
-        waited.covered[rank] = f"{members[trainers[rank]]} {why}"
+        waited.covered[rank] = why
         return [ref for ref in pending if ref is not trainers[rank]] + list(started)
     return pending
+
+
+def _seen_dead(
+    channel: str, members: dict[Any, str], trainers: Sequence[Any], waited: Waited
+) -> tuple[str | None, int | None]:
+    """A trainer a receiver saw exit and no cover reads for: why the vote aborts, and its rank."""
+    for rank, reporter in reported_dead(channel, len(trainers)).items():
+        if rank not in waited.covered:
+            return f"{members[trainers[rank]]} died (its process exited, seen by channel rank {reporter})", rank
+    return None, None
 
 
 def _take_stalls(channel: str, trainers: Sequence[Any], waited: Waited, pending: list[Any]) -> list[Any]:

@@ -18,7 +18,7 @@ from tensorwire.collectives.weight_sync.commit import aside
 from tensorwire.collectives.weight_sync.commit import receiver as commit
 from tensorwire.collectives.weight_sync.planning.layout import ParamPiece, describe_value
 from tensorwire.collectives.weight_sync.protocol.spec import PushSpec, Region
-from tensorwire.collectives.weight_sync.recovery import arrivals
+from tensorwire.collectives.weight_sync.recovery import arrivals, covered
 from tensorwire.collectives.weight_sync.streams import staging
 from tensorwire.collectives.weight_sync.streams.fanout import Fanout
 from tensorwire.runtime.ray.hooks import actor_hook
@@ -108,6 +108,7 @@ def release_hook(_actor: object, sync_id: str) -> None:
     commit.let_go(sync_id)
     aside.release(sync_id)
     arrivals.release(sync_id)
+    covered.release(sync_id)
 
 
 def memo(obj: Any, make: Callable[[Any], Any]) -> Any:

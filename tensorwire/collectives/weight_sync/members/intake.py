@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +20,7 @@ from tensorwire.collectives.weight_sync.recovery.stalls import StallWatch, repor
 from tensorwire.collectives.weight_sync.streams.staging import read_slot, ring_reader
 from tensorwire.errors import PeerLostError, TensorwireError, TrainerLost, TransferTimeoutError
 
-__all__ = ["acknowledge", "next_message", "take_from"]
+__all__ = ["WaitClock", "acknowledge", "next_message", "take_from"]
 
 
 def _take(
@@ -94,6 +95,16 @@ class _Lost(Exception):
         self.error = error
 
 
+@dataclass
+class WaitClock:
+    """One stream's wait for its next bucket: the seconds spent waiting for it (blocked in
+    :func:`next_message`, not copying other streams' buckets) and at what point of that to look
+    at its trainer next (None: after the trainer's patience)."""
+
+    waited_s: float = 0.0
+    look_at_s: float | None = None
+
+
 def next_message(
     channel: Channel,
     spec: PushSpec,
@@ -101,52 +112,91 @@ def next_message(
     *,
     check: Callable[[int], None] | None,
     watches: Mapping[int, StallWatch],
-    since: Mapping[int, float],
+    clocks: dict[int, WaitClock],
 ) -> tuple[int, bytes | TrainerLost]:
     """The first bucket message to come of ``waiting`` (stream -> (parent's channel rank, key);
     of those here at once, the earliest in ``waiting``), as (stream, message); or (stream,
     ``TrainerLost``) for a stream whose trainer died or stalled first (:mod:`..recovery.stalls`:
-    one that sent nothing for its patience since ``since[stream]`` and cannot act; ``watches``:
-    each trainer's progress, by its rank). So a stream whose trainer is gone does not hold the
-    others: they are read as their buckets come. ``check(parent)`` may raise to stop the wait
-    on one stream (``TrainerLost``: a cover reads that trainer's share, or the driver said it
-    was lost) or on all.
+    one that sent nothing while this receiver waited its patience for it, ``clocks[stream]``,
+    and cannot act; ``watches``: each trainer's progress, by its rank). So a stream whose
+    trainer is gone does not hold the others: they are read as their buckets come.
+    ``check(parent)`` may raise to stop the wait on one stream (``TrainerLost``: a cover reads
+    that trainer's share, or the driver said it was lost) or on all.
 
     Raises:
         PeerLostError: A relay parent (a receiver) exited.
         TransferTimeoutError: A relay parent sent nothing within ``spec.timeout_s``.
     """
     streams = list(waiting)
-    look_at = {s: since[s] + _patience(spec, watches, waiting[s][0]) for s in streams}
+    for s in streams:
+        clock = clocks.setdefault(s, WaitClock())
+        if clock.look_at_s is None:
+            clock.look_at_s = _patience(spec, watches, waiting[s][0])
     while True:
-        now = time.monotonic()
+        began = time.monotonic()
+        slice_s = min((clocks[s].look_at_s or 0.0) - clocks[s].waited_s for s in streams)
         try:
             index, message = channel.recv_any(
                 [waiting[s] for s in streams],
-                timeout_s=max(0.0, min(look_at.values()) - now),
+                timeout_s=max(0.0, slice_s),
                 check=lambda: _look(channel, spec, waiting, check),
             )
         except _Lost as e:
+            _waited(clocks, streams, began)
             return e.stream, e.error
         except TransferTimeoutError as e:
-            for stream in [s for s in streams if look_at[s] <= time.monotonic()]:
-                parent = waiting[stream][0]
-                if parent not in watches:
-                    raise  # a relay: as long as a message may take
-                try:
-                    what = f"no {waiting[stream][1]} within"
-                    _raise_if_stalled(
-                        channel, spec, parent, watch=watches[parent], start=since[stream], what=what, error=e
-                    )
-                except TrainerLost as lost:
-                    return stream, lost
-                look_at[stream] = time.monotonic() + watches[parent].patience_s()  # slow, not stalled
+            _waited(clocks, streams, began)
+            lost = _look_at_trainers(channel, spec, waiting, watches, clocks, error=e)
+            if lost is not None:
+                return lost
             continue
+        _waited(clocks, streams, began)
         stream = streams[index]
+        clocks[stream] = WaitClock()  # (the next bucket's wait starts afresh)
         watch = watches.get(waiting[stream][0])
         if watch is not None:
             watch.arrived()
         return stream, message
+
+
+def _waited(clocks: dict[int, WaitClock], streams: list[int], began: float) -> None:
+    spent = time.monotonic() - began
+    for s in streams:
+        clocks[s].waited_s += spent
+
+
+def _look_at_trainers(
+    channel: Channel,
+    spec: PushSpec,
+    waiting: Mapping[int, tuple[int, str]],
+    watches: Mapping[int, StallWatch],
+    clocks: dict[int, WaitClock],
+    *,
+    error: TransferTimeoutError,
+) -> tuple[int, TrainerLost] | None:
+    """After a wait ran out: each stream waited for as long as its next look says, looked at
+    (``_raise_if_stalled``): (stream, ``TrainerLost``) for one whose trainer stalled; a slow one
+    is looked at again after its patience more."""
+    for stream, (parent, key) in waiting.items():
+        clock = clocks[stream]
+        if clock.look_at_s is None or clock.waited_s < clock.look_at_s:
+            continue
+        if parent not in watches:
+            raise error  # a relay: as long as a message may take
+        try:
+            _raise_if_stalled(
+                channel,
+                spec,
+                parent,
+                watch=watches[parent],
+                waited_s=clock.waited_s,
+                what=f"no {key} within",
+                error=error,
+            )
+        except TrainerLost as lost:
+            return stream, lost
+        clock.look_at_s = clock.waited_s + watches[parent].patience_s()  # slow, not stalled
+    return None
 
 
 def _patience(spec: PushSpec, watches: Mapping[int, StallWatch], parent: int) -> float:
@@ -158,8 +208,13 @@ def _patience(spec: PushSpec, watches: Mapping[int, StallWatch], parent: int) ->
 def _look(
     channel: Channel, spec: PushSpec, waiting: Mapping[int, tuple[int, str]], check: Callable[[int], None] | None
 ) -> None:
-    """While waiting: a parent that exited (a trainer: ``_Lost``, the driver told), and ``check``."""
+    """While waiting: a parent that exited (a trainer: ``_Lost``, the driver told), and ``check``
+    (once per parent)."""
+    looked: set[int] = set()
     for stream, (parent, key) in waiting.items():
+        if parent in looked:
+            continue
+        looked.add(parent)
         if not channel.alive(parent):
             if parent >= spec.trainers:
                 raise PeerLostError(f"group {channel.name}: member {parent} exited (waiting for {key!r})")
@@ -175,17 +230,16 @@ def _look(
 
 
 def _raise_if_stalled(
-    channel: Channel, spec: PushSpec, parent: int, *, watch: StallWatch, start: float, what: str, error: Exception
+    channel: Channel, spec: PushSpec, parent: int, *, watch: StallWatch, waited_s: float, what: str, error: Exception
 ) -> None:
     """After a wait on trainer ``parent`` ran out of patience: ``TrainerLost`` (the driver told)
     when it stalled (:meth:`StallWatch.stalled`: an explicit ``stall_s``, a process that cannot
     act, or one that sent nothing for too long); else return, to wait again."""
-    waited = time.monotonic() - start
     responds = bool(watch.explicit_s) or channel.responds(parent)
-    if not watch.stalled(waited, responds):
+    if not watch.stalled(waited_s, responds):
         return
     report_stall(spec, parent)
-    within = f"{watch.explicit_s:g} s" if watch.explicit_s else f"{waited:.1f} s"
+    within = f"{watch.explicit_s:g} s" if watch.explicit_s else f"{waited_s:.1f} s"
     how = "" if responds else " (its process is stopped or does not answer)"
     raise TrainerLost(parent, f"trainer member {parent} stalled: {what} {within}{how}") from error
 
@@ -219,7 +273,13 @@ def take_from(
             if watch is None or not isinstance(e, TransferTimeoutError):
                 raise
             _raise_if_stalled(
-                channel, spec, parent, watch=watch, start=start, what=f"its bucket not read ({e}) within", error=e
+                channel,
+                spec,
+                parent,
+                watch=watch,
+                waited_s=time.monotonic() - start,
+                what=f"its bucket not read ({e}) within",
+                error=e,
             )
 
 

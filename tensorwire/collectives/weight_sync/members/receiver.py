@@ -3,7 +3,8 @@
 :func:`receive` runs the push in a receiver, in four steps:
 
 1. **in place only**: hold the fence and vote before the first write (:func:`_vote_first`);
-2. **read**: every stream it is in, level by level (bucket k of each, then k+1), into where
+2. **read**: every stream it is in, each in order and the streams as their buckets come (a
+   relay at most one bucket ahead of its slowest stream), into where
    :func:`..commit.aside.destinations` says each piece lands (its tensors, their shadows, or a
    float8 staging tensor), relaying each bucket on to its node-mates when it leads a node
    (:class:`_Intake`); a trainer lost on one stream does not stop the others (the failover
@@ -21,6 +22,7 @@ wrote part of the version) or keeps it for the failover's next try.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 
@@ -41,7 +43,7 @@ from tensorwire.collectives.weight_sync.members.common import (
     memo,
     view,
 )
-from tensorwire.collectives.weight_sync.members.intake import acknowledge, next_message, take_from
+from tensorwire.collectives.weight_sync.members.intake import WaitClock, acknowledge, next_message, take_from
 from tensorwire.collectives.weight_sync.protocol import messages
 from tensorwire.collectives.weight_sync.protocol.messages import BucketKind, parse_bucket_message
 from tensorwire.collectives.weight_sync.protocol.spec import BucketSpan, PushSpec, ReceiveResult, Region, Role
@@ -140,29 +142,32 @@ def _check_swappable(actor: object, spec: PushSpec, targets: list[torch.Tensor])
 
 
 @actor_hook
-def cover_read(
-    actor: object, spec: PushSpec | bytes, version: int, channel: str, trainers: tuple[int, ...]
+def cover_read(  # noqa: PLR0917 (a hook: the driver passes its arguments in order)
+    actor: object, spec: PushSpec | bytes, version: int, channel: str, of_try: str, trainers: tuple[int, ...]
 ) -> ReceiveResult:
-    """Hook, receiver: read the share of ``trainers`` (lost in the try running beside, by their
-    channel ranks there) from the others into the same shadows, and commit nothing: the try
-    commits once it is in (:mod:`..recovery.covered`, :mod:`..recovery.cover`)."""
+    """Hook, receiver: read the share of ``trainers`` (lost in the try running beside on channel
+    ``of_try``, by their channel ranks there) from the others into the same shadows, and commit
+    nothing: the try commits once it is in (:mod:`..recovery.covered`, :mod:`..recovery.cover`)."""
     start = time.perf_counter()
     spec = load_spec(spec, version, channel)
     arrivals.start_receiving(spec)
-    covered.began(spec, trainers)
+    covered.began(spec.sync_id, of_try, trainers)
     intake = _Intake(spec, cover=True)
     try:
         with serving(list(intake.fanouts.values()), f"relay {spec.rank}"):
             try:
                 intake.read_all(aside.destinations(spec, member_tensors(actor, spec, "target")), coverable=False)
             except BaseException as e:
-                covered.ended(spec, trainers, f"{type(e).__name__}: {e}")
+                covered.ended(spec.sync_id, of_try, trainers, f"{type(e).__name__}: {e}")
                 intake.tell_parents(f"receiver {spec.rank}: {type(e).__name__}: {e}")
                 raise
-            covered.ended(spec, trainers)
+            covered.ended(spec.sync_id, of_try, trainers)
     finally:
         intake.channel.close()
     return intake.result(messages.COVER_READ, time.perf_counter() - start)
+
+
+_RELAY_AHEAD = 1  # how many buckets a relay's fastest stream may run ahead of its slowest
 
 
 class _NotWriting(TensorwireError):
@@ -215,20 +220,23 @@ class _Intake:
 
     def read_all(self, dsts: list[torch.Tensor], *, coverable: bool) -> None:
         """Every bucket of every stream, each stream's in order and the streams' as they come
-        (a stream whose trainer is gone holds none of the others; at most one level of relay
-        acknowledgements outstanding); once the others are read, waits for the cover of the
-        trainers it lost (``coverable``: an all-or-none read aside, :mod:`..recovery.covered`)
-        or raises the first of them lost."""
+        (a stream whose trainer is gone holds none of the others; a relay reads at most
+        :data:`_RELAY_AHEAD` bucket ahead of its slowest stream, as two relays each waiting in
+        ``offer`` for the other's acknowledgement would otherwise wait for good; at most one
+        level of relay acknowledgements outstanding); once the others are read, waits for the
+        cover of the trainers it lost (``coverable``: an all-or-none read aside,
+        :mod:`..recovery.covered`) or raises the first of them lost."""
         roles = {role.stream: role for role in self.spec.roles}
         cursor = dict.fromkeys(roles, 0)
         active = [s for s, role in roles.items() if role.buckets]
-        since = dict.fromkeys(active, time.monotonic())
+        clocks: dict[int, WaitClock] = {}
         level = 0
         while active:
             active.sort(key=cursor.__getitem__)  # the oldest bucket first, of those here at once
-            waiting = {s: (roles[s].parent, messages.bucket_key(s, cursor[s])) for s in active}
+            limit = cursor[active[0]] + _RELAY_AHEAD if self.fanouts else math.inf
+            waiting = {s: (roles[s].parent, messages.bucket_key(s, cursor[s])) for s in active if cursor[s] <= limit}
             stream, got = next_message(
-                self.channel, self.spec, waiting, check=self.aborted, watches=self.watches, since=since
+                self.channel, self.spec, waiting, check=self.aborted, watches=self.watches, clocks=clocks
             )
             role = roles[stream]
             if isinstance(got, TrainerLost):
@@ -236,7 +244,6 @@ class _Intake:
             else:
                 self._take_bucket(role, cursor[stream], dsts, got)
             cursor[stream] += 1
-            since[stream] = time.monotonic()
             if stream in self.lost or cursor[stream] >= len(role.buckets):
                 active.remove(stream)
             while len(self.acks) > len(self.spec.roles):

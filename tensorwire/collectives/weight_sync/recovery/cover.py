@@ -72,13 +72,15 @@ def start(
     *,
     actors: Mapping[int, Any],
     channel: str,
+    of_try: str,
     have: Mapping[int, Arrived] | None,
     only: Subset | None,
 ) -> Cover | None:
     """Start the cover of trainer ``lost`` (its position in the try) for the ``live``
     receivers (``actors``: by id) of push ``version`` (``have``: what the try leaves out
     already; ``only``: a subset push's receiver parameters), on ``channel``; None when the
-    others do not hold all of its bytes (the try is then aborted as before)."""
+    others do not hold all of its bytes (the try, on channel ``of_try``, is then aborted as
+    before)."""
     layouts: dict[int, tuple[ParamPiece, ...]] = {r: sync.receiver_layouts[r] for r in live}
     plan, reason = replan_without(lost, sync.trainer_layouts, sync.plan.mapping, layouts)
     if plan is None:
@@ -98,7 +100,9 @@ def start(
             calls[ref] = f"the cover send of trainer {position}"
     for i, rid in enumerate(live):
         if roles[m + i]:
-            ref = call_hook_concurrently(actors[rid], receiver.cover_read, blobs[m + i], version, channel, (lost,))
+            ref = call_hook_concurrently(
+                actors[rid], receiver.cover_read, blobs[m + i], version, channel, of_try, (lost,)
+            )
             calls[ref] = f"the cover read of receiver {rid}"
     logger.warning("weight sync %s: %s; its share is read from the others while the push runs", sync.name, why)
     return Cover(lost, why, calls, channel, survivors)

@@ -22,39 +22,41 @@ from tensorwire.errors import TrainerLost
 
 __all__ = ["began", "check", "ended", "release", "wait"]
 
-_POLL_S = 0.005  # how often a wait for a cover also looks for the driver's abort
+_POLL_S = 0.02  # how often a wait for a cover also looks for the driver's abort (its end wakes it at once)
 
 _lock = threading.Condition()
-# (sync id, version) -> lost trainer's channel rank in the try -> None while its cover reads,
-# "" once it read everything, else why it failed
-_covers: dict[tuple[str, int], dict[int, str | None]] = {}
+# (sync id, the try's channel) -> lost trainer's channel rank in the try -> None while its cover
+# reads, "" once it read everything, else why it failed (a try's ranks are its own: a failover's
+# next try numbers the trainers left anew)
+_covers: dict[tuple[str, str], dict[int, str | None]] = {}
 
 
-def began(spec: PushSpec, trainers: Iterable[int]) -> None:
-    """A cover of ``trainers`` (their channel ranks in the try) began reading in this process."""
+def began(sync_id: str, channel: str, trainers: Iterable[int]) -> None:
+    """A cover of ``trainers`` (their channel ranks in the try on ``channel``) began reading in
+    this process."""
     with _lock:
-        for key in [key for key in _covers if key[0] == spec.sync_id and key[1] != spec.version]:
-            del _covers[key]  # (an older version's)
-        mine = _covers.setdefault((spec.sync_id, spec.version), {})
+        for key in [key for key in _covers if key[0] == sync_id and key[1] != channel]:
+            del _covers[key]  # (an earlier try's: it ended before this one began)
+        mine = _covers.setdefault((sync_id, channel), {})
         for rank in trainers:
             mine[rank] = None
         _lock.notify_all()
 
 
-def ended(spec: PushSpec, trainers: Iterable[int], failure: str = "") -> None:
-    """The cover of ``trainers`` read everything (``failure``: why it did not)."""
+def ended(sync_id: str, channel: str, trainers: Iterable[int], failure: str = "") -> None:
+    """The cover of ``trainers`` of the try on ``channel`` read everything (``failure``: why it did not)."""
     with _lock:
-        mine = _covers.setdefault((spec.sync_id, spec.version), {})
+        mine = _covers.setdefault((sync_id, channel), {})
         for rank in trainers:
             mine[rank] = failure
         _lock.notify_all()
 
 
 def check(spec: PushSpec, parent: int) -> None:
-    """Raise ``TrainerLost`` when trainer ``parent`` (a channel rank of the try) is being
-    covered: the try stops waiting for its buckets."""
+    """Raise ``TrainerLost`` when trainer ``parent`` (a channel rank of the try ``spec`` is of)
+    is being covered: the try stops waiting for its buckets."""
     with _lock:
-        covering = parent in _covers.get((spec.sync_id, spec.version), {})
+        covering = parent in _covers.get((spec.sync_id, spec.channel), {})
     if covering:
         raise TrainerLost(parent, f"trainer member {parent} was lost: the others read its share")
 
@@ -68,7 +70,7 @@ def wait(spec: PushSpec, lost: dict[int, TrainerLost], *, aborted: Callable[[], 
         TrainerLost: A cover failed, none came in time, or the driver aborted (the first loss).
     """
     first = next(iter(lost.values()))
-    key = (spec.sync_id, spec.version)
+    key = (spec.sync_id, spec.channel)
     while True:
         with _lock:
             mine = _covers.get(key, {})

@@ -103,7 +103,8 @@ def drop_covered(
     dead = [sync.trainer_name(i) for i in range(len(sync.trainers))].index(name)
     receivers = {rid: layout for rid, layout in sync.receiver_layouts.items() if rid not in sync.state.dead}
     plan, _why = replan_without(dead, sync.trainer_layouts, sync.plan.mapping, receivers)
-    if plan is not None:  # (else a receiver the cover did not serve joined: the next push's look drops it)
+    replaced[name] = why
+    if plan is not None:  # (else the next push's look drops it, or says why it cannot)
         _drop(sync, dead, plan, why, replaced=replaced, lost=lost)
 
 

@@ -2,8 +2,8 @@
 
 A stalled trainer is a process that stopped (``SIGSTOP``, a debugger, a swapped-out host, a
 hang), not only one that stopped sending. A receiver waiting for a trainer's next bucket
-(:func:`..members.intake.next_bucket`) waits at most the trainer's *patience*
-(:meth:`StallWatch.patience_s`), then:
+(:func:`..members.intake.next_message`, counting the time it spends waiting, not copying other
+streams' buckets) waits at most the trainer's *patience* (:meth:`StallWatch.patience_s`), then:
 
 * with an explicit ``stall_s``: the trainer stalled (no next bucket within ``stall_s``);
 * by default (adaptive): it looks whether the trainer's process can act

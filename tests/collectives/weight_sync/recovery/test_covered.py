@@ -17,8 +17,8 @@ from tensorwire.collectives.weight_sync.recovery.cover import not_from
 from tensorwire.errors import TrainerLost
 
 
-def _spec(version: int, sync_id: str = "cover-test") -> PushSpec:
-    return PushSpec(sync_id, "cover-test", version, "", (), 0, None, (), (), False, "", 1.0)
+def _spec(version: int, channel: str = "try-1", sync_id: str = "cover-test") -> PushSpec:
+    return PushSpec(sync_id, "cover-test", version, channel, (), 0, None, (), (), False, "", 1.0)
 
 
 def _never_aborted() -> None:
@@ -34,12 +34,12 @@ def _forget():
 def test_the_wait_ends_once_every_lost_trainer_is_covered():
     spec = _spec(3)
     lost = {1: TrainerLost(1, "died"), 2: TrainerLost(2, "stalled")}
-    covered.began(spec, (1,))
-    covered.ended(spec, (1,))
-    covered.began(spec, (2,))
+    covered.began("cover-test", spec.channel, (1,))
+    covered.ended("cover-test", spec.channel, (1,))
+    covered.began("cover-test", spec.channel, (2,))
     with pytest.raises(TrainerLost, match="no cover read its share in time"):  # trainer 2's still reads
         covered.wait(spec, lost, aborted=_never_aborted, deadline=time.monotonic() + 0.05)
-    ended = threading.Thread(target=covered.ended, args=(spec, (2,)))
+    ended = threading.Thread(target=covered.ended, args=("cover-test", spec.channel, (2,)))
     ended.start()
     covered.wait(spec, lost, aborted=_never_aborted, deadline=time.monotonic() + 60)
     ended.join()
@@ -48,7 +48,7 @@ def test_the_wait_ends_once_every_lost_trainer_is_covered():
 def test_a_failed_cover_a_driver_abort_or_the_deadline_end_the_wait_with_the_loss():
     spec = _spec(4)
     lost = {1: TrainerLost(1, "trainer member 1 died")}
-    covered.began(spec, (1,))
+    covered.began("cover-test", spec.channel, (1,))
     with pytest.raises(TrainerLost, match="no cover read its share in time") as late:
         covered.wait(spec, lost, aborted=_never_aborted, deadline=time.monotonic() + 0.05)
     assert late.value.rank == 1
@@ -58,20 +58,26 @@ def test_a_failed_cover_a_driver_abort_or_the_deadline_end_the_wait_with_the_los
 
     with pytest.raises(TrainerLost, match="trainer member 1 died"):
         covered.wait(spec, lost, aborted=aborted, deadline=time.monotonic() + 30)
-    covered.ended(spec, (1,), "TrainerLost: trainer member 0 died too")
+    covered.ended("cover-test", spec.channel, (1,), "TrainerLost: trainer member 0 died too")
     with pytest.raises(TrainerLost, match="reading its share from the others failed: TrainerLost: trainer member 0"):
         covered.wait(spec, lost, aborted=_never_aborted, deadline=time.monotonic() + 30)
 
 
-def test_only_a_trainer_being_covered_stops_the_waits_on_it_and_only_in_its_version():
-    spec = _spec(5)
-    covered.began(spec, (1,))
+def test_only_a_trainer_being_covered_stops_the_waits_on_it_and_only_in_its_try():
+    first = _spec(5, channel="try-1")
+    covered.began("cover-test", "try-1", (1,))
     with pytest.raises(TrainerLost, match="the others read its share"):
-        covered.check(spec, 1)
-    covered.check(spec, 0)  # another trainer: go on waiting for it
-    covered.check(_spec(6), 1)  # the next version: nothing covered
-    covered.began(_spec(6), (0,))  # a newer version's cover forgets the older's
-    covered.check(spec, 1)
+        covered.check(first, 1)
+    covered.check(first, 0)  # another trainer: go on waiting for it
+    # the failover's next try of the same version numbers the trainers left anew: its rank 1 is
+    # another trainer, and the first try's cover (ended) says nothing about it
+    covered.ended("cover-test", "try-1", (1,))
+    second = _spec(5, channel="try-2")
+    covered.check(second, 1)
+    with pytest.raises(TrainerLost, match="no cover read its share in time"):
+        covered.wait(second, {1: TrainerLost(1, "died")}, aborted=_never_aborted, deadline=time.monotonic() + 0.05)
+    covered.began("cover-test", "try-2", (0,))  # a later try's cover forgets the earlier's
+    covered.check(first, 1)
 
 
 def test_a_cover_reads_what_the_lost_trainer_was_to_send_and_no_more():
