@@ -1,5 +1,5 @@
 """``tensorwire`` command line: ``tensorwire topo [--json] [--address ADDR]``, ``tensorwire doctor``,
-``tensorwire bench``, ``tensorwire --version``."""
+``tensorwire bench``, ``tensorwire plan`` (:mod:`tensorwire.plan_command`), ``tensorwire --version``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from tensorwire import plan_command
 
 __all__ = ["main"]
 
@@ -331,7 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         help="transports against the alternatives, same run (nccl-tests style flags); --calibrate for the selector",
     )
     _add_bench_arguments(bench)
+    plan = commands.add_parser("plan", help="plan a push from layouts alone and model it on a cluster's links")
+    plan_command.add_arguments(plan)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan_command.run(args)
     if args.command == "bench":
         return _bench(args, list(argv if argv is not None else sys.argv[1:])[1:])
     if args.command == "doctor":

@@ -43,38 +43,41 @@ def flows_of(plan: Plan, placement: Placement, bucket_bytes: int, *, progress: b
     ``placement.receivers[r]``), cut at ``bucket_bytes``."""
     receivers = sorted(plan.receivers)
     streams = plan.streams(receivers, bucket_bytes)
-    rows: dict[str, list] = {"nbytes": [], "links": [], "stream": [], "bucket": [], "parent": []}
-    starts: list[int] = []
+    sizes: list[np.ndarray] = []  # per chain: its buckets' bytes
+    paths: list[tuple[int, ...]] = []  # per chain: the links it crosses
+    chain_stream: list[int] = []
+    parent_chain: list[int] = []  # per chain: the chain it is relayed from, -1: the trainer
     readers: list[int] = []
     bar = ProgressBar(len(streams), desc="flows", unit="stream", enabled=progress)
     for sid, stream in enumerate(streams):
-        sizes = _bucket_sizes(stream)
-        first_row: dict[int, int] = {}  # reader -> its chain's first row
+        buckets = np.asarray(_bucket_sizes(stream), dtype=np.float64)
+        chain_of: dict[int, int] = {}
         for reader, parent in _tree(stream, placement):
             src = placement.trainers[stream.trainer] if parent is None else placement.receivers[parent]
-            path = placement.path(src, placement.receivers[reader])
-            first_row[reader] = len(rows["nbytes"])
-            starts.append(first_row[reader])
-            for k, size in enumerate(sizes):
-                rows["nbytes"].append(size)
-                rows["links"].append(path)
-                rows["stream"].append(sid)
-                rows["bucket"].append(k)
-                rows["parent"].append(-1 if parent is None else first_row[parent] + k)
+            chain_of[reader] = len(sizes)
+            sizes.append(buckets)
+            paths.append(placement.path(src, placement.receivers[reader]))
+            chain_stream.append(sid)
+            parent_chain.append(-1 if parent is None else chain_of[parent])
         readers.append(len(stream.readers))
         bar.advance_to(sid + 1)
     bar.close()
-    width = max((len(p) for p in rows["links"]), default=1)
-    links = np.full((len(rows["links"]), width), -1, dtype=np.int64)
-    for i, path in enumerate(rows["links"]):
-        links[i, : len(path)] = path
+    lengths = np.asarray([len(b) for b in sizes], dtype=np.int64)
+    chain_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    chain = np.repeat(np.arange(len(sizes)), lengths)
+    bucket = np.arange(int(lengths.sum())) - chain_start[chain]
+    width = max((len(p) for p in paths), default=1)
+    chain_links = np.full((len(paths), width), -1, dtype=np.int64)
+    for c, path in enumerate(paths):
+        chain_links[c, : len(path)] = path
+    parents = np.asarray(parent_chain, dtype=np.int64)[chain]
     return Flows(
-        nbytes=np.asarray(rows["nbytes"], dtype=np.float64),
-        links=links,
-        stream=np.asarray(rows["stream"], dtype=np.int64),
-        bucket=np.asarray(rows["bucket"], dtype=np.int64),
-        parent=np.asarray(rows["parent"], dtype=np.int64),
-        chain_start=np.asarray([*starts, len(rows["nbytes"])], dtype=np.int64),
+        nbytes=np.concatenate(sizes) if sizes else np.zeros(0),
+        links=chain_links[chain] if len(chain) else np.zeros((0, width), dtype=np.int64),
+        stream=np.asarray(chain_stream, dtype=np.int64)[chain],
+        bucket=bucket,
+        parent=np.where(parents >= 0, chain_start[np.maximum(parents, 0)] + bucket, -1),
+        chain_start=chain_start,
         readers=np.asarray(readers, dtype=np.int64),
         transfers=sum(len(t) for t in plan.receivers.values()),
     )

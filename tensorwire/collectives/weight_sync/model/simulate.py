@@ -48,7 +48,7 @@ class Modelled:
         return self.seconds / self.bound_s if self.bound_s > 0 else 1.0
 
 
-def simulate(flows: Flows, placement: Placement, *, steps: int = 2000, progress: bool = False) -> Modelled:
+def simulate(flows: Flows, placement: Placement, *, steps: int = 1000, progress: bool = False) -> Modelled:
     """The modelled push of ``flows`` on ``placement``'s links (see the module doc)."""
     caps = np.asarray([link.gbps * GBPS for link in placement.links])
     link_bytes = _bytes_per_link(flows, len(caps))
