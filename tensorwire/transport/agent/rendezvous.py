@@ -43,17 +43,7 @@ class Mailbox:
         Raises:
             TransferTimeoutError: Not set within ``timeout_s``.
         """
-        deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while True:
-                table = self._groups.get(group, {})
-                value = table.pop(key, None) if take else table.get(key)
-                if value is not None:
-                    return value
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeoutError(f"rendezvous {group}: key {key!r} not set before the deadline")
-                self._changed.wait(left)
+        return self._first(group, [key], timeout_s=timeout_s, take=take, what=f"key {key!r} not set")[1]
 
     def take_any(self, group: str, keys: Sequence[str], *, timeout_s: float) -> tuple[int, bytes]:
         """The first of ``keys`` of ``group`` that is set (the earliest in ``keys`` among those
@@ -62,19 +52,20 @@ class Mailbox:
         Raises:
             TransferTimeoutError: None set within ``timeout_s``.
         """
+        return self._first(group, keys, timeout_s=timeout_s, take=True, what=f"none of {len(keys)} key(s) set")
+
+    def _first(self, group: str, keys: Sequence[str], *, timeout_s: float, take: bool, what: str) -> tuple[int, bytes]:
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
                 table = self._groups.get(group, {})
                 for index, key in enumerate(keys):
-                    value = table.pop(key, None)
+                    value = table.pop(key, None) if take else table.get(key)
                     if value is not None:
                         return index, value
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TransferTimeoutError(
-                        f"rendezvous {group}: none of {len(keys)} key(s) set before the deadline"
-                    )
+                    raise TransferTimeoutError(f"rendezvous {group}: {what} before the deadline")
                 self._changed.wait(left)
 
     def forget(self, group: str) -> None:

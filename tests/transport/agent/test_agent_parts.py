@@ -144,3 +144,17 @@ def test_a_value_that_travels_in_the_reference_gets_no_other_export_later(agent)
     assert set(first) == set(carriers)
     assert agent.export_handles(ref.state.desc) == first  # for anyone: still nothing else
     del ref
+
+
+def test_take_any_takes_the_earliest_named_key_that_is_there_and_waits_for_one():
+    box = Mailbox()
+    box.put("g", "b", b"2")
+    box.put("g", "c", b"3")
+    assert box.take_any("g", ["a", "c", "b"], timeout_s=0.0) == (1, b"3")  # c before b: the order asked
+    assert box.take_any("g", ["a", "c", "b"], timeout_s=0.0) == (2, b"2")  # taken once
+    with pytest.raises(TransferTimeoutError, match="rendezvous g: none of 3 key"):
+        box.take_any("g", ["a", "c", "b"], timeout_s=0.0)
+    putting = threading.Thread(target=box.put, args=("g", "a", b"1"))
+    putting.start()
+    assert box.take_any("g", ["a", "c"], timeout_s=60) == (0, b"1")  # woken by the put
+    putting.join()
