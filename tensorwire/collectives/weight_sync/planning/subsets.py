@@ -16,9 +16,9 @@ import difflib
 from collections.abc import Callable, Iterable, Mapping
 
 from tensorwire.collectives.weight_sync.planning.layout import Box
-from tensorwire.collectives.weight_sync.planning.plan import Arrived, Plan
+from tensorwire.collectives.weight_sync.planning.plan import Arrived, Plan, Transfer
 
-__all__ = ["Subset", "left_out", "merged", "subset_of"]
+__all__ = ["Subset", "held_where", "left_out", "merged", "subset_of"]
 
 Subset = Mapping[int, frozenset[str]]  # receiver id -> the receiver parameters a subset push rewrites
 
@@ -53,11 +53,17 @@ def subset_of(plan: Plan, names: Iterable[str] | None, changed: Callable[[str], 
 
 def left_out(plan: Plan, only: Subset) -> dict[int, Arrived]:
     """Per receiver, the pieces a push of ``only`` leaves as they are, as pieces it holds."""
+    return held_where(plan, plan.receivers, lambda r, t: t.target not in only.get(r, frozenset()))
+
+
+def held_where(plan: Plan, receivers: Iterable[int], keep: Callable[[int, Transfer], bool]) -> dict[int, Arrived]:
+    """Per receiver of ``receivers``, the pieces of its transfers in ``plan`` for which
+    ``keep(receiver, transfer)``, as pieces it holds (what a push then leaves out)."""
     result: dict[int, Arrived] = {}
-    for r, transfers in plan.receivers.items():
+    for r in receivers:
         held: dict[tuple[str, str], list[Box]] = {}
-        for t in transfers:
-            if t.target not in only.get(r, frozenset()):
+        for t in plan.receivers[r]:
+            if keep(r, t):
                 held.setdefault((t.target, t.wire_dtype), []).append(t.dst)
         result[r] = held
     return result

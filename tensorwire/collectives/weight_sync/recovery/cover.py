@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from tensorwire.collectives.weight_sync.members import receiver, trainer
 from tensorwire.collectives.weight_sync.planning import subsets
-from tensorwire.collectives.weight_sync.planning.layout import Box, ParamPiece
+from tensorwire.collectives.weight_sync.planning.layout import ParamPiece
 from tensorwire.collectives.weight_sync.planning.plan import Arrived, Plan
 from tensorwire.collectives.weight_sync.planning.subsets import Subset
 from tensorwire.collectives.weight_sync.protocol.assign import SyncSettings, member_specs
@@ -111,11 +111,4 @@ def start(
 def not_from(plan: Plan, lost: int, live: tuple[int, ...]) -> dict[int, Arrived]:
     """Per live receiver, the pieces ``plan`` has other trainers than ``lost`` send (as pieces it
     holds: the cover reads the rest)."""
-    result: dict[int, Arrived] = {}
-    for r in live:
-        held: dict[tuple[str, str], list[Box]] = {}
-        for t in plan.receivers[r]:
-            if t.trainer != lost:
-                held.setdefault((t.target, t.wire_dtype), []).append(t.dst)
-        result[r] = held
-    return result
+    return subsets.held_where(plan, live, lambda _r, t: t.trainer != lost)
